@@ -1,0 +1,189 @@
+"""The backend protocol: what the copier needs from a device.
+
+A backend is bound to one device. The copier calls only these methods and
+never asks which backend it has; ``cuda.py`` implements them with CuPy and
+cuda-python, ``sim.py`` with NumPy on a simulated asynchronous device.
+
+Addresses are plain ints: device addresses in the device's own address space,
+host addresses as the process sees them. Streams are whatever
+:meth:`Backend.resolve_stream` returns.
+"""
+
+from __future__ import annotations
+
+__all__ = ["Backend", "PinnedBuffer", "DeviceBuffer"]
+
+
+class PinnedBuffer:
+    """Page-locked host memory, also mapped into the device's address space.
+
+    Attributes
+    ----------
+    array : numpy.ndarray
+        ``uint8`` view of the whole buffer.
+    ptr : int
+        Host address of the first byte.
+    device_ptr : int
+        Device address of the first byte (mapped memory), for ``mapped`` flushes.
+    nbytes : int
+    """
+
+    __slots__ = ("array", "ptr", "device_ptr", "nbytes", "_free")
+
+    def __init__(self, array, ptr: int, device_ptr: int, free):
+        self.array = array
+        self.ptr = ptr
+        self.device_ptr = device_ptr
+        self.nbytes = array.nbytes
+        self._free = free
+
+    def close(self) -> None:
+        """Release the memory; safe to call twice."""
+        free, self._free = self._free, None
+        if free is not None:
+            self.array = None
+            free()
+
+
+class DeviceBuffer:
+    """Device memory owned by the copier (staging buffers, check snapshots).
+
+    Attributes
+    ----------
+    ptr : int
+        Device address of the first byte.
+    nbytes : int
+    """
+
+    __slots__ = ("ptr", "nbytes", "_free")
+
+    def __init__(self, ptr: int, nbytes: int, free):
+        self.ptr = ptr
+        self.nbytes = nbytes
+        self._free = free
+
+    def close(self) -> None:
+        """Release the memory; safe to call twice."""
+        free, self._free = self._free, None
+        if free is not None:
+            free()
+
+
+class Backend:
+    """One device as the copier sees it.
+
+    Every method marked "implemented by the backend" must be supplied.
+    """
+
+    name = "base"
+
+    #: The device identity arrays are compared with (``ArrayInfo.device``).
+    device = None
+
+    # -- streams and capture -------------------------------------------------
+
+    def resolve_stream(self, stream):
+        """Return the backend's stream for a user-supplied stream (None: default)."""
+        # implemented by the backend
+        raise NotImplementedError
+
+    def current_stream(self):
+        """The stream a plain copy goes on when the caller named none."""
+        # implemented by the backend
+        raise NotImplementedError
+
+    def is_capturing(self, stream) -> bool:
+        """Whether ``stream`` is capturing a graph right now."""
+        # implemented by the backend
+        raise NotImplementedError
+
+    def synchronize(self, stream) -> None:
+        """Block the host until ``stream`` has run everything queued on it."""
+        # implemented by the backend
+        raise NotImplementedError
+
+    # -- memory ----------------------------------------------------------------
+
+    def alloc_pinned(self, nbytes: int) -> PinnedBuffer:
+        """Allocate mapped, page-locked host memory."""
+        # implemented by the backend
+        raise NotImplementedError
+
+    def alloc_device(self, nbytes: int) -> DeviceBuffer:
+        """Allocate device memory."""
+        # implemented by the backend
+        raise NotImplementedError
+
+    def is_pinned(self, host_ptr: int) -> bool:
+        """Whether the host address lies in page-locked memory."""
+        # implemented by the backend
+        raise NotImplementedError
+
+    def read(self, ptr: int, nbytes: int, stream) -> bytes:
+        """Synchronize ``stream`` and return ``nbytes`` device bytes (check mode)."""
+        # implemented by the backend
+        raise NotImplementedError
+
+    # -- work ------------------------------------------------------------------
+
+    def copy2d(self, h2d: bool, dst: int, dpitch: int, src: int, spitch: int,
+               width: int, rows: int, stream) -> None:
+        """Enqueue a (possibly 2-D) copy of ``rows`` rows of ``width`` bytes.
+
+        ``h2d`` selects a host source (``src`` a host address, pinned memory
+        read when the copy runs); otherwise both addresses are on the device.
+        """
+        # implemented by the backend
+        raise NotImplementedError
+
+    def fill(self, dst: int, dpitch: int, width: int, rows: int, value: int, elem: int,
+             stream) -> None:
+        """Enqueue writing the ``elem``-byte pattern ``value`` over a 2-D region."""
+        # implemented by the backend
+        raise NotImplementedError
+
+    def scatter(self, segment_ptr: int, nblocks: int, stream, mapped: bool) -> None:
+        """Enqueue one scatter launch decoding the segment at ``segment_ptr``.
+
+        ``mapped`` says ``segment_ptr`` is the device address of mapped pinned
+        memory (read by the kernel when it runs) rather than device memory.
+        """
+        # implemented by the backend
+        raise NotImplementedError
+
+    # -- events ----------------------------------------------------------------
+
+    def event_create(self):
+        """Create an event (timing disabled)."""
+        # implemented by the backend
+        raise NotImplementedError
+
+    def event_record(self, event, stream) -> None:
+        """Record ``event`` on ``stream``."""
+        # implemented by the backend
+        raise NotImplementedError
+
+    def event_query(self, event) -> bool:
+        """True when all work before the event's record has run. Never runs work."""
+        # implemented by the backend
+        raise NotImplementedError
+
+    def event_synchronize(self, event) -> None:
+        """Block the host until the event has completed."""
+        # implemented by the backend
+        raise NotImplementedError
+
+    def event_destroy(self, event) -> None:
+        """Release an event."""
+        # implemented by the backend
+        raise NotImplementedError
+
+    # -- tuning ----------------------------------------------------------------
+
+    def mapped_threshold(self) -> int:
+        """Segments of at most this many bytes use ``mapped`` under ``flush_mode="auto"``."""
+        return 0
+
+    def describe(self) -> str:
+        """A short name for messages, e.g. ``cuda:0`` or ``sim:0``."""
+        return self.name

@@ -1,0 +1,218 @@
+"""The segment wire format: ``header | descriptors | data``.
+
+This module is the one definition of the layout. ``kernels/scatter.cu``
+mirrors it with C structs, the simulated device decodes it with
+:func:`decode`, and ``tests/test_pack.py`` checks sizes and offsets of both.
+
+A segment is 16-byte aligned. Offsets in the header and in H2D descriptors are
+bytes from the start of the segment, so the same bytes work wherever the
+segment is read from (device staging memory in ``dma`` mode, mapped pinned
+memory in ``mapped`` mode).
+
+Each descriptor owns a run of thread blocks ``[block_start, next.block_start)``
+(the last one up to ``header.nblocks``); the host sizes the runs with
+:func:`blocks_for` so a 64 KiB table is spread over several blocks while a
+4-byte vector takes one.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = [
+    "MAGIC",
+    "VERSION",
+    "HEADER_DTYPE",
+    "DESC_DTYPE",
+    "HEADER_BYTES",
+    "DESC_BYTES",
+    "ALIGN",
+    "KIND_H2D",
+    "KIND_H2D_2D",
+    "KIND_D2D",
+    "KIND_FILL",
+    "BLOCK_BYTES",
+    "THREADS",
+    "align",
+    "blocks_for",
+    "encode",
+    "decode",
+]
+
+MAGIC = 0x59504343  # b"CCPY" little-endian
+VERSION = 1
+
+HEADER_DTYPE = np.dtype(
+    [
+        ("magic", "<u4"),
+        ("version", "<u2"),
+        ("header_bytes", "<u2"),
+        ("ndesc", "<u4"),
+        ("nblocks", "<u4"),
+        ("desc_offset", "<u4"),
+        ("data_offset", "<u4"),
+        ("total_bytes", "<u8"),
+    ]
+)
+
+DESC_DTYPE = np.dtype(
+    [
+        ("dst", "<u8"),  # device address of the first destination byte
+        ("src", "<u8"),  # H2D: offset of the data in the segment; D2D: device address
+        ("value", "<u8"),  # FILL: the element's bit pattern, little-endian
+        ("dst_pitch", "<u4"),  # bytes between destination rows
+        ("src_pitch", "<u4"),  # bytes between source rows (H2D: == width, packed)
+        ("width", "<u4"),  # bytes per row
+        ("rows", "<u4"),  # rows, >= 1
+        ("kind", "<u2"),
+        ("elem", "<u2"),  # FILL: element size 1, 2, 4 or 8
+        ("block_start", "<u4"),  # first thread block of this descriptor
+    ]
+)
+
+HEADER_BYTES = HEADER_DTYPE.itemsize
+DESC_BYTES = DESC_DTYPE.itemsize
+ALIGN = 16
+
+KIND_H2D = 1
+KIND_H2D_2D = 2
+KIND_D2D = 3
+KIND_FILL = 4
+KINDS = (KIND_H2D, KIND_H2D_2D, KIND_D2D, KIND_FILL)
+
+# One thread block per BLOCK_BYTES of a descriptor: 256 threads moving 16 bytes
+# each, four times.
+THREADS = 256
+BLOCK_BYTES = THREADS * 16 * 4
+
+MAX_PITCH = (1 << 32) - 1
+
+assert HEADER_BYTES == 32 and DESC_BYTES == 48, "internal: wire format size changed"
+
+
+def align(n: int, a: int = ALIGN) -> int:
+    """Round ``n`` up to a multiple of ``a`` (a power of two)."""
+    return (n + a - 1) & -a
+
+
+def blocks_for(nbytes: int) -> int:
+    """Thread blocks given to a descriptor moving ``nbytes``."""
+    return max(1, (nbytes + BLOCK_BYTES - 1) // BLOCK_BYTES)
+
+
+def encode(out: np.ndarray, descs: list, data_offset: int, total_bytes: int) -> int:
+    """Write the header and descriptors of one segment into ``out``.
+
+    Parameters
+    ----------
+    out : numpy.ndarray
+        ``uint8`` view of the segment's first ``data_offset`` bytes.
+    descs : list of tuple
+        Descriptor rows in :data:`DESC_DTYPE` field order with ``block_start``
+        left as 0; H2D ``src`` fields are offsets from the segment start.
+    data_offset : int
+        Where the data region starts (16-byte aligned, past the descriptors).
+    total_bytes : int
+        Bytes of the whole segment.
+
+    Returns
+    -------
+    int
+        The number of thread blocks the scatter launch needs.
+    """
+    n = len(descs)
+    table = np.array(descs, dtype=DESC_DTYPE)
+    nbytes = table["width"].astype(np.int64) * table["rows"]
+    counts = np.maximum(1, (nbytes + BLOCK_BYTES - 1) // BLOCK_BYTES)
+    starts = np.cumsum(counts) - counts
+    table["block_start"] = starts
+    nblocks = int(starts[-1] + counts[-1]) if n else 0
+    header = np.zeros((), dtype=HEADER_DTYPE)
+    header["magic"] = MAGIC
+    header["version"] = VERSION
+    header["header_bytes"] = HEADER_BYTES
+    header["ndesc"] = n
+    header["nblocks"] = nblocks
+    header["desc_offset"] = HEADER_BYTES
+    header["data_offset"] = data_offset
+    header["total_bytes"] = total_bytes
+    out[:HEADER_BYTES] = np.frombuffer(header.tobytes(), np.uint8)
+    out[HEADER_BYTES : HEADER_BYTES + n * DESC_BYTES] = table.view(np.uint8)
+    return nblocks
+
+
+def decode(segment) -> tuple[np.void, np.ndarray]:
+    """Read a segment's header and descriptor table.
+
+    Parameters
+    ----------
+    segment : bytes-like
+        The segment's bytes, at least through its descriptor table.
+
+    Returns
+    -------
+    header : numpy.void
+        One :data:`HEADER_DTYPE` record.
+    descs : numpy.ndarray
+        The :data:`DESC_DTYPE` table.
+
+    Raises
+    ------
+    ValueError
+        If the magic number or version does not match.
+    """
+    buf = np.frombuffer(segment, dtype=np.uint8)
+    header = buf[:HEADER_BYTES].view(HEADER_DTYPE)[0]
+    if int(header["magic"]) != MAGIC:
+        raise ValueError(f"segment: bad magic {int(header['magic']):#x}, expected {MAGIC:#x}")
+    if int(header["version"]) != VERSION:
+        raise ValueError(f"segment: version {int(header['version'])}, this cucopy reads {VERSION}")
+    off = int(header["desc_offset"])
+    n = int(header["ndesc"])
+    descs = buf[off : off + n * DESC_BYTES].view(DESC_DTYPE)
+    return header, descs
+
+
+def reference_scatter(segment, load, store, order=None) -> None:
+    """Apply a segment's descriptors the way the scatter kernel does.
+
+    This is the byte-level reference the CUDA kernel is checked against.
+
+    Parameters
+    ----------
+    segment : bytes-like
+        The whole segment (header, descriptors and data).
+    load : callable
+        ``load(addr, nbytes) -> bytes`` reads device memory (D2D sources).
+    store : callable
+        ``store(addr, data)`` writes device memory.
+    order : sequence of int, optional
+        The order to apply descriptors in. The GPU runs them concurrently, so
+        callers (the simulated device) pass a shuffled order to prove that
+        nothing depends on it.
+    """
+    buf = memoryview(segment).cast("B")
+    header, descs = decode(buf)
+    n = len(descs)
+    for i in order if order is not None else range(n):
+        d = descs[i]
+        kind = int(d["kind"])
+        dst, width, rows = int(d["dst"]), int(d["width"]), int(d["rows"])
+        dpitch, spitch = int(d["dst_pitch"]), int(d["src_pitch"])
+        if kind in (KIND_H2D, KIND_H2D_2D):
+            src = int(d["src"])
+            for r in range(rows):
+                store(dst + r * dpitch, bytes(buf[src + r * spitch : src + r * spitch + width]))
+        elif kind == KIND_D2D:
+            src = int(d["src"])
+            rows_data = [load(src + r * spitch, width) for r in range(rows)]
+            for r in range(rows):
+                store(dst + r * dpitch, rows_data[r])
+        elif kind == KIND_FILL:
+            elem = int(d["elem"])
+            pattern = int(d["value"]).to_bytes(8, "little")[:elem]
+            row = pattern * (width // elem)
+            for r in range(rows):
+                store(dst + r * dpitch, row)
+        else:
+            raise ValueError(f"segment: descriptor {i} has unknown kind {kind}")
