@@ -1,0 +1,571 @@
+"""A simulated asynchronous device, in NumPy, for testing without a GPU.
+
+It models what makes the copier hard rather than just moving bytes:
+
+- device memory in its own address space (a host pointer used as a device
+  pointer is an error), with arrays that slice into views like NumPy's;
+- streams as FIFO queues that run *later*, under a policy: ``"lazy"`` runs
+  work only when someone waits (stream/event synchronize, a stream waiting on
+  an event, :meth:`SimDevice.to_host`), ``"eager"`` runs it at enqueue, and
+  ``"random"`` runs a seeded random prefix of the queue after each enqueue;
+- events whose :meth:`~SimEvent.query` never runs work, so a ring that merely
+  polls cannot pass for one that waits;
+- pinned host memory that an async H2D copy reads *when the copy runs*, and
+  pageable host memory read at the call (as ``cudaMemcpyAsync`` stages it);
+- :meth:`SimStream.hold` to stall a stream the way a long kernel does;
+- graph capture and replay: captured work is re-run, re-reading its sources;
+- the scatter kernel as :func:`cucopy.pack.reference_scatter` over the same
+  segment bytes, applying one segment's descriptors in a seeded shuffled order.
+
+``stream.launch(fn)`` enqueues foreign work (a callable run in stream order);
+inside it ``dev.raw(arr)`` is a writable NumPy view of the array's bytes.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import ctypes
+import itertools
+from collections import deque
+
+import numpy as np
+
+from .. import pack
+from ..adapters import ArrayInfo
+from ..errors import CopyError
+from .base import Backend, DeviceBuffer, PinnedBuffer
+
+__all__ = ["SimDevice", "SimArray", "SimStream", "SimEvent", "SimGraph", "SimBackend",
+           "SimDeadlock", "SimMemoryError", "default_device"]
+
+POLICIES = ("lazy", "eager", "random")
+
+# Device address spaces sit above any user-space host address, one per device,
+# with mapped pinned memory in a window of its own.
+_SPACE = 1 << 56
+_MAPPED = 1 << 52
+_device_ids = itertools.count()
+
+
+class SimDeadlock(CopyError):
+    """The host waited for a stream that is held: on a GPU this would hang."""
+
+
+class SimMemoryError(CopyError):
+    """An address is not device memory of this simulated device."""
+
+
+class SimArray:
+    """An array in simulated device memory; basic indexing returns views."""
+
+    __slots__ = ("device", "_view", "_alloc", "_base", "__weakref__")
+
+    def __init__(self, device, view, alloc, base):
+        self.device = device
+        self._view = view
+        self._alloc = alloc
+        self._base = base
+
+    @property
+    def ptr(self) -> int:
+        """Device address of element ``[0, ..., 0]``."""
+        return self._base + (self._view.__array_interface__["data"][0] - self._alloc.ctypes.data)
+
+    shape = property(lambda self: self._view.shape)
+    dtype = property(lambda self: self._view.dtype)
+    strides = property(lambda self: self._view.strides)
+    ndim = property(lambda self: self._view.ndim)
+    size = property(lambda self: self._view.size)
+    nbytes = property(lambda self: self._view.nbytes)
+
+    def __len__(self) -> int:
+        return len(self._view)
+
+    def __getitem__(self, idx) -> SimArray:
+        v = self._view[idx]
+        if not isinstance(v, np.ndarray) or not np.may_share_memory(v, self._alloc):
+            raise TypeError(f"{self!r}: only basic indexing (views) is supported, got {idx!r}")
+        return SimArray(self.device, v, self._alloc, self._base)
+
+    def __setitem__(self, idx, value) -> None:
+        # a blocking write, as cudaMemcpy on the legacy default stream
+        self.device.synchronize()
+        self._view[idx] = value
+
+    def reshape(self, *shape) -> SimArray:
+        """A reshaped view (no copy; raises if one is impossible)."""
+        v = self._view.view()
+        v.shape = shape[0] if len(shape) == 1 and isinstance(shape[0], tuple) else shape
+        return SimArray(self.device, v, self._alloc, self._base)
+
+    def view(self, dtype) -> SimArray:
+        """Reinterpret the bytes with another dtype."""
+        return SimArray(self.device, self._view.view(dtype), self._alloc, self._base)
+
+    def __cucopy_array__(self) -> ArrayInfo:
+        v = self._view
+        return ArrayInfo(self.ptr, v.shape, v.strides, v.dtype, device=self.device,
+                         obj=self, label=f"SimArray(sim:{self.device.index}, {v.dtype}, shape={v.shape})")
+
+    def __cucopy_current_stream__(self):
+        return self.device.default_stream
+
+    def __repr__(self) -> str:
+        return f"SimArray(sim:{self.device.index}, {self.dtype}, shape={self.shape}, ptr={self.ptr:#x})"
+
+
+class SimEvent:
+    """An event: complete once its stream has run past the point it was recorded."""
+
+    __slots__ = ("device", "_stream", "_ticket", "_done", "__weakref__")
+
+    def __init__(self, device):
+        self.device = device
+        self._stream = None
+        self._ticket = 0
+        self._done = 0
+
+    def record(self, stream) -> None:
+        """Record on ``stream``: completes when the work enqueued before it has run."""
+        stream._record(self)
+
+    def query(self) -> bool:
+        """True when complete. Never runs any work."""
+        return self._done >= self._ticket
+
+    def synchronize(self) -> None:
+        """Run the recording stream until the event completes."""
+        if self._stream is not None and not self.query():
+            self._stream._run_until(lambda: self.query())
+
+
+class SimStream:
+    """A FIFO queue of work that runs later, according to the device's policy."""
+
+    def __init__(self, device, name=""):
+        self.device = device
+        self.name = name
+        self._queue = deque()
+        self._holds = 0
+        self._graph = None
+        self.ops = 0  # operations enqueued, for benchmarks
+
+    # -- work ---------------------------------------------------------------
+
+    def _enqueue(self, fn) -> None:
+        self.ops += 1
+        if self._graph is not None:
+            self._graph._ops.append(fn)
+            return
+        self._queue.append(fn)
+        dev = self.device
+        if dev.policy == "eager":
+            self._run(len(self._queue))
+        elif dev.policy == "random":
+            self._run(int(dev.rng.integers(0, len(self._queue) + 1)))
+
+    def _run(self, n) -> None:
+        q = self._queue
+        while n > 0 and q and not self._holds:
+            q.popleft()()
+            n -= 1
+
+    def _run_until(self, done) -> None:
+        while not done():
+            if not self._queue:
+                raise AssertionError("internal: waited for work that was never enqueued")
+            if self._holds:
+                raise SimDeadlock(f"waited on sim stream {self.name or id(self):} while it is held: "
+                                  "on a GPU the host would hang here")
+            self._queue.popleft()()
+
+    def launch(self, fn) -> None:
+        """Enqueue foreign work: ``fn()`` runs in stream order (a stand-in for a kernel)."""
+        self._enqueue(fn)
+
+    def _record(self, event) -> None:
+        if self._graph is not None:
+            raise CopyError("sim: recording an event during capture is not modelled")
+        event._stream = self
+        event._ticket += 1
+        ticket = event._ticket
+
+        def mark():
+            event._done = max(event._done, ticket)
+
+        self._enqueue(mark)
+
+    def wait_event(self, event) -> None:
+        """Make later work on this stream wait for ``event``."""
+        if event._stream is None or event.query():
+            return
+        ticket = event._ticket
+
+        def wait():
+            event._stream._run_until(lambda: event._done >= ticket)
+
+        self._enqueue(wait)
+
+    def synchronize(self) -> None:
+        """Run everything queued (raises :class:`SimDeadlock` while held)."""
+        if self._queue and self._holds:
+            raise SimDeadlock(f"synchronize on sim stream {self.name or id(self)} while it is held: "
+                              "on a GPU the host would hang here")
+        self._run(len(self._queue) + 1 << 60)
+
+    @property
+    def pending(self) -> int:
+        """Operations queued and not yet run."""
+        return len(self._queue)
+
+    @contextlib.contextmanager
+    def hold(self):
+        """Stall the stream, as a long-running kernel does, until the block exits."""
+        self._holds += 1
+        try:
+            yield self
+        finally:
+            self._holds -= 1
+            if not self._holds and self.device.policy == "eager":
+                self._run(len(self._queue))
+
+    @property
+    def is_capturing(self) -> bool:
+        """True inside :meth:`SimDevice.capture`."""
+        return self._graph is not None
+
+    def __repr__(self) -> str:
+        return f"SimStream({self.name or hex(id(self))}, pending={len(self._queue)})"
+
+
+class SimGraph:
+    """Captured work; :meth:`replay` enqueues it again, re-reading its sources."""
+
+    def __init__(self):
+        self._ops = []
+
+    def __len__(self) -> int:
+        return len(self._ops)
+
+    def replay(self, stream) -> None:
+        """Enqueue the captured operations on ``stream``."""
+        for op in self._ops:
+            stream._enqueue(op)
+
+
+class SimDevice:
+    """A simulated device: its memory, streams, pinned host memory and policy.
+
+    Parameters
+    ----------
+    policy : {"lazy", "eager", "random"}
+        When queued work runs (see the module docstring).
+    seed : int
+        Seeds the ``random`` policy and the scatter's descriptor order.
+    """
+
+    def __init__(self, policy: str = "lazy", seed: int = 0):
+        if policy not in POLICIES:
+            raise ValueError(f"SimDevice: policy must be one of {POLICIES}, got {policy!r}")
+        self.policy = policy
+        self.rng = np.random.default_rng(seed)
+        self.index = next(_device_ids)
+        self._space = _SPACE * (1 + self.index % 200)
+        self._next = self._space + 0x1000
+        self._bases: list[int] = []
+        self._allocs: list[np.ndarray] = []
+        self._pinned_ptrs: list[int] = []
+        self._pinned: list[np.ndarray] = []
+        self._streams: list = []
+        self.default_stream = self.stream("default")
+        self.device_reads = 0  # reads of device memory by the host (check mode's cost)
+
+    # -- memory ---------------------------------------------------------------
+
+    def _alloc(self, nbytes: int):
+        mem = np.zeros(max(nbytes, 1), np.uint8)
+        base = self._next
+        self._next += pack.align(max(nbytes, 1), 256) + 256
+        self._bases.append(base)
+        self._allocs.append(mem)
+        return base, mem
+
+    def _free(self, base: int) -> None:
+        i = bisect.bisect_left(self._bases, base)
+        if i < len(self._bases) and self._bases[i] == base:
+            del self._bases[i]
+            del self._allocs[i]
+
+    def empty(self, shape, dtype=np.float32) -> SimArray:
+        """Uninitialized (zeroed) device array."""
+        dtype = np.dtype(dtype)
+        n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        base, mem = self._alloc(n)
+        view = mem[:n].view(dtype).reshape(shape)
+        return SimArray(self, view, mem, base)
+
+    zeros = empty
+
+    def asarray(self, host) -> SimArray:
+        """A new device array holding a copy of ``host`` (blocking)."""
+        host = np.ascontiguousarray(host)
+        arr = self.empty(host.shape, host.dtype)
+        arr._view[...] = host
+        return arr
+
+    def to_host(self, arr: SimArray) -> np.ndarray:
+        """Synchronize the device and return a copy of the array's values."""
+        self.synchronize()
+        return np.array(arr._view, copy=True)
+
+    def raw(self, arr: SimArray) -> np.ndarray:
+        """Writable NumPy view of the array's device bytes (for work run in stream order)."""
+        return arr._view
+
+    def pinned_empty(self, shape, dtype=np.float32) -> np.ndarray:
+        """A page-locked host array: async copies read it when they run."""
+        dtype = np.dtype(dtype)
+        n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        mem = np.zeros(max(n, 1) + 64, np.uint8)
+        off = (-mem.ctypes.data) % 64
+        buf = mem[off : off + max(n, 1)]
+        self._register_pinned(buf)
+        return buf[:n].view(dtype).reshape(shape)
+
+    def _register_pinned(self, buf: np.ndarray) -> None:
+        ptr = buf.ctypes.data
+        i = bisect.bisect_left(self._pinned_ptrs, ptr)
+        self._pinned_ptrs.insert(i, ptr)
+        self._pinned.insert(i, buf)
+
+    def _unregister_pinned(self, buf: np.ndarray) -> None:
+        ptr = buf.ctypes.data
+        i = bisect.bisect_left(self._pinned_ptrs, ptr)
+        if i < len(self._pinned_ptrs) and self._pinned_ptrs[i] == ptr:
+            del self._pinned_ptrs[i]
+            del self._pinned[i]
+
+    def _pinned_at(self, ptr: int, nbytes: int):
+        i = bisect.bisect_right(self._pinned_ptrs, ptr) - 1
+        if i >= 0:
+            buf = self._pinned[i]
+            if ptr + nbytes <= self._pinned_ptrs[i] + buf.nbytes:
+                return buf, ptr - self._pinned_ptrs[i]
+        return None
+
+    def is_pinned(self, ptr: int) -> bool:
+        """Whether ``ptr`` lies in pinned memory of this device."""
+        return self._pinned_at(ptr, 1) is not None
+
+    def _mem(self, addr: int, nbytes: int) -> np.ndarray:
+        """The device bytes ``[addr, addr + nbytes)`` as a writable view."""
+        if self._space + _MAPPED <= addr < self._space + 2 * _MAPPED:
+            host = addr - self._space - _MAPPED
+            hit = self._pinned_at(host, nbytes)
+            if hit is None:
+                raise SimMemoryError(f"sim:{self.index}: {addr:#x} is not mapped pinned memory")
+            buf, off = hit
+            return buf[off : off + nbytes]
+        i = bisect.bisect_right(self._bases, addr) - 1
+        if i >= 0:
+            mem = self._allocs[i]
+            off = addr - self._bases[i]
+            if off + nbytes <= mem.nbytes:
+                return mem[off : off + nbytes]
+        raise SimMemoryError(
+            f"sim:{self.index}: [{addr:#x}, +{nbytes}) is not device memory of this device"
+        )
+
+    def mapped_pointer(self, host_ptr: int) -> int:
+        """Device address of pinned host memory at ``host_ptr``."""
+        return self._space + _MAPPED + host_ptr
+
+    # -- streams ----------------------------------------------------------------
+
+    def stream(self, name: str = "") -> SimStream:
+        """A new stream."""
+        s = SimStream(self, name or f"s{len(self._streams)}")
+        self._streams.append(s)
+        return s
+
+    def event(self) -> SimEvent:
+        """A new event."""
+        return SimEvent(self)
+
+    def synchronize(self) -> None:
+        """Run every stream's queued work."""
+        busy = True
+        while busy:
+            busy = False
+            for s in self._streams:
+                if s._queue:
+                    s.synchronize()
+                    busy = True
+
+    @contextlib.contextmanager
+    def capture(self, stream: SimStream):
+        """Capture the work enqueued on ``stream`` into a :class:`SimGraph`."""
+        if stream._graph is not None:
+            raise CopyError(f"sim: {stream!r} is already capturing")
+        graph = SimGraph()
+        stream._graph = graph
+        try:
+            yield graph
+        finally:
+            stream._graph = None
+
+    def __repr__(self) -> str:
+        return f"SimDevice(sim:{self.index}, policy={self.policy!r})"
+
+
+_default = None
+
+
+def default_device() -> SimDevice:
+    """The process-wide simulated device used when none is named."""
+    global _default
+    if _default is None:
+        _default = SimDevice()
+    return _default
+
+
+class SimBackend(Backend):
+    """The backend protocol on a :class:`SimDevice`."""
+
+    name = "sim"
+
+    def __init__(self, device: SimDevice | None = None):
+        self.device = device if device is not None else default_device()
+
+    # -- streams -----------------------------------------------------------------
+
+    def resolve_stream(self, stream):
+        if stream is None:
+            return self.device.default_stream
+        if isinstance(stream, SimStream):
+            if stream.device is not self.device:
+                raise ValueError(f"stream: {stream!r} belongs to sim:{stream.device.index}, "
+                                 f"not {self.describe()}")
+            return stream
+        raise TypeError(f"stream: the sim backend takes a SimStream, got {type(stream).__qualname__}")
+
+    def current_stream(self):
+        return self.device.default_stream
+
+    def is_capturing(self, stream) -> bool:
+        return stream._graph is not None
+
+    def synchronize(self, stream) -> None:
+        stream.synchronize()
+
+    # -- memory --------------------------------------------------------------------
+
+    def alloc_pinned(self, nbytes: int) -> PinnedBuffer:
+        dev = self.device
+        buf = dev.pinned_empty((nbytes,), np.uint8)
+        ptr = buf.ctypes.data
+        return PinnedBuffer(buf, ptr, dev.mapped_pointer(ptr), lambda: dev._unregister_pinned(buf))
+
+    def alloc_device(self, nbytes: int) -> DeviceBuffer:
+        base, _ = self.device._alloc(nbytes)
+        return DeviceBuffer(base, nbytes, lambda: self.device._free(base))
+
+    def is_pinned(self, host_ptr: int) -> bool:
+        return self.device.is_pinned(host_ptr)
+
+    def read(self, ptr: int, nbytes: int, stream) -> bytes:
+        stream.synchronize()
+        self.device.device_reads += 1
+        return self.device._mem(ptr, nbytes).tobytes()
+
+    # -- work ------------------------------------------------------------------------
+
+    def copy2d(self, h2d, dst, dpitch, src, spitch, width, rows, stream) -> None:
+        dev = self.device
+        span = (rows - 1) * dpitch + width
+        dev._mem(dst, span)  # a host pointer as destination fails here, at the call
+        if h2d:
+            sspan = (rows - 1) * spitch + width
+            if dev._pinned_at(src, sspan) is not None:
+                def load():
+                    return np.frombuffer(ctypes.string_at(src, sspan), np.uint8)
+            else:
+                if stream._graph is not None:
+                    raise CopyError("sim: an H2D copy from pageable memory cannot be captured")
+                snap = np.frombuffer(ctypes.string_at(src, sspan), np.uint8)
+
+                def load():
+                    return snap
+        else:
+            sspan = (rows - 1) * spitch + width
+            dev._mem(src, sspan)
+
+            def load():
+                return dev._mem(src, sspan).copy()
+
+        def run():
+            data = load()
+            for r in range(rows):
+                dev._mem(dst + r * dpitch, width)[:] = data[r * spitch : r * spitch + width]
+
+        stream._enqueue(run)
+
+    def fill(self, dst, dpitch, width, rows, value, elem, stream) -> None:
+        dev = self.device
+        dev._mem(dst, (rows - 1) * dpitch + width)
+        row = np.frombuffer(int(value).to_bytes(8, "little")[:elem] * (width // elem), np.uint8)
+
+        def run():
+            for r in range(rows):
+                dev._mem(dst + r * dpitch, width)[:] = row
+
+        stream._enqueue(run)
+
+    def scatter(self, segment_ptr, nblocks, stream, mapped) -> None:
+        dev = self.device
+        dev._mem(segment_ptr, pack.HEADER_BYTES)
+
+        def run():
+            head = dev._mem(segment_ptr, pack.HEADER_BYTES)
+            header, _ = pack.decode(head.tobytes())
+            seg = dev._mem(segment_ptr, int(header["total_bytes"])).tobytes()
+            n = int(header["ndesc"])
+            if int(header["nblocks"]) != nblocks:
+                raise AssertionError(f"internal: launch of {nblocks} blocks for a segment of "
+                                     f"{int(header['nblocks'])}")
+            order = dev.rng.permutation(n)
+
+            def store(addr, data):
+                dev._mem(addr, len(data))[:] = np.frombuffer(data, np.uint8)
+
+            pack.reference_scatter(seg, lambda a, k: dev._mem(a, k).tobytes(), store, order)
+
+        stream._enqueue(run)
+
+    # -- events ----------------------------------------------------------------------
+
+    def event_create(self):
+        return SimEvent(self.device)
+
+    def event_record(self, event, stream) -> None:
+        stream._record(event)
+
+    def event_query(self, event) -> bool:
+        return event.query()
+
+    def event_synchronize(self, event) -> None:
+        event.synchronize()
+
+    def event_destroy(self, event) -> None:
+        pass
+
+    def mapped_threshold(self) -> int:
+        return 4096
+
+    def describe(self) -> str:
+        return f"sim:{self.device.index}"
+
+    def hold(self, stream):
+        """Stall ``stream`` until the returned context exits."""
+        return stream.hold()

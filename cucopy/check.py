@@ -1,0 +1,284 @@
+"""Check mode: prove at run time the promises a plan and its owners make.
+
+``CHECK_MODE`` is read once from ``CUCOPY_CHECK=1`` at import (spawned
+workers inherit it through the environment); tests may patch it. The copier
+reads it at each ``begin()``. In check mode the copier
+
+- snapshots each merged destination (and D2D source) on the stream at the
+  call's position, and again right before the segment that lands it; any
+  difference means other work wrote it before its barrier;
+- checks every ``unchanged=True`` copy or fill against the device bytes as of
+  its place in program order (device bytes at the call's stream position, with
+  the still-staged copies before it applied);
+- lets :func:`expect_landed` find merged bytes still staged.
+
+Violations raise :class:`~cucopy.CopyError` naming the site and the first
+differing byte range. With check mode off none of this runs.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+
+import numpy as np
+
+from . import _layout
+from .adapters import resolve
+from .errors import CopyError
+
+__all__ = ["CHECK_MODE", "expect_landed", "Checker", "verify_unchanged", "verify_bytes"]
+
+CHECK_MODE: bool = os.environ.get("CUCOPY_CHECK", "") not in ("", "0")
+
+_live = weakref.WeakSet()
+
+
+def register(copier) -> None:
+    """Track a live copier for :func:`expect_landed`."""
+    _live.add(copier)
+
+
+def unregister(copier) -> None:
+    """Stop tracking a closed copier."""
+    _live.discard(copier)
+
+
+def _label(site) -> str:
+    return getattr(site, "label", None) or repr(site)
+
+
+def expect_landed(site, dst) -> None:
+    """Raise if merged bytes into ``dst`` are still staged in any live copier.
+
+    Call it in a reader that runs device work on ``dst`` right after a copy
+    that should have been a barrier.
+
+    Parameters
+    ----------
+    site : CopySite
+        The site of the copy the reader depends on.
+    dst : array
+        The destination the reader is about to read.
+
+    Raises
+    ------
+    CopyError
+        Naming the staged site, when bytes into ``dst`` have not been flushed;
+        also when check mode is off (the check would silently do nothing).
+    """
+    if not CHECK_MODE:
+        raise CopyError(f"{_label(site)}: expect_landed needs check mode (CUCOPY_CHECK=1, or "
+                        "patch cucopy.check.CHECK_MODE)")
+    info = resolve(dst)
+    lo, hi = _layout.extent(info.ptr, info.shape, info.strides, info.dtype.itemsize)
+    for copier in list(_live):
+        for e in copier._entries:
+            if e.lo < hi and lo < e.hi and (info.device is copier.backend.device
+                                            or info.device == copier.backend.device):
+                raise CopyError(
+                    f"{_label(e.site)}: bytes merged into {info.label} are still staged where "
+                    f"{_label(site)} expects them landed; make {_label(e.site)} a flush_after "
+                    "barrier or flush() before this reader"
+                )
+
+
+class _Snap:
+    """Device bytes ``[lo, hi)`` copied on the stream at one point of program order."""
+
+    __slots__ = ("buf", "lo", "hi", "data")
+
+    def __init__(self, backend, stream, lo, hi):
+        self.lo, self.hi = lo, hi
+        self.data = None
+        self.buf = backend.alloc_device(max(hi - lo, 1))
+        if hi > lo:
+            backend.copy2d(False, self.buf.ptr, hi - lo, lo, hi - lo, hi - lo, 1, stream)
+
+    def read(self, backend, stream) -> np.ndarray:
+        if self.data is None:
+            raw = backend.read(self.buf.ptr, self.hi - self.lo, stream) if self.hi > self.lo else b""
+            self.data = np.frombuffer(raw, np.uint8).copy()
+            self.buf.close()
+        return self.data
+
+
+def _elements(buf: np.ndarray, lo: int, ptr: int, shape, strides, itemsize) -> np.ndarray:
+    """The element bytes of a view, in C order, from extent bytes starting at ``lo``."""
+    view = np.lib.stride_tricks.as_strided(
+        buf[ptr - lo :], shape=tuple(shape) + (itemsize,), strides=tuple(strides) + (1,),
+        writeable=False,
+    )
+    return view.reshape(-1, itemsize)
+
+
+def _first_diff(site, what, info, got, want) -> None:
+    bad = np.flatnonzero((got != want).any(axis=1))
+    if bad.size == 0:
+        return
+    i = int(bad[0])
+    j = i
+    while j + 1 < len(bad) and bad[j - i + 1] == j + 1:
+        j += 1
+    it = info.dtype.itemsize
+    raise CopyError(
+        f"{_label(site)}: {what} {info.label}: elements {i}..{j} differ (first at byte offset "
+        f"{i * it} of the view); device has {got[i].tobytes().hex()}, expected "
+        f"{want[i].tobytes().hex()}"
+    )
+
+
+class Checker:
+    """One step's check-mode bookkeeping for a copier."""
+
+    def __init__(self, copier):
+        self.copier = copier
+        self.backend = copier.backend
+        self.stream = copier.stream
+        self.pending = []
+
+    def snap(self, lo, hi) -> _Snap:
+        """Snapshot device bytes at the current stream position."""
+        return _Snap(self.backend, self.stream, lo, hi)
+
+    def on_stage(self, e, d, s) -> None:
+        """A copy was staged into entry ``e`` (dst ``d``, D2D source ``s``)."""
+        c = self.copier
+        if e.snap is None:
+            e.snap = self.snap(e.lo, e.hi)
+        idx = e.index if isinstance(e.index, list) else [e.index]
+        payload = []
+        for i in idx:
+            desc = c._descs[i]
+            if desc[7] <= 2:  # H2D: the staged bytes, as snapshotted into the slot
+                n = desc[5] * desc[6]
+                payload.append((desc, c._slot.array[desc[1] : desc[1] + n].copy()))
+            else:
+                payload.append((desc, None))
+        e.data = payload
+        if s is not None and e.ssnap is None:
+            e.ssnap = self.snap(e.slo, e.shi)
+        c.stats.sites[e.site].checked += 1
+
+    def before_flush(self, entries) -> None:
+        """Right before a segment lands: compare each merged range with its call snapshot."""
+        afters = [(e, self.snap(e.lo, e.hi), self.snap(e.slo, e.shi) if e.ssnap else None)
+                  for e in entries]
+        for e, after, safter in afters:
+            before = e.snap.read(self.backend, self.stream)
+            now = after.read(self.backend, self.stream)
+            if not np.array_equal(before, now):
+                k = int(np.flatnonzero(before != now)[0])
+                raise CopyError(
+                    f"{_label(e.site)}: merged destination bytes [{e.lo + k:#x}, ...) were "
+                    f"written by other work between the copy and its barrier (byte {k} of "
+                    f"[{e.lo:#x}, {e.hi:#x}) went {before[k]:#04x} -> {now[k]:#04x}); the plan "
+                    "promises nobody touches a merged destination before its barrier"
+                )
+            if safter is not None:
+                sb = e.ssnap.read(self.backend, self.stream)
+                sn = safter.read(self.backend, self.stream)
+                if not np.array_equal(sb, sn):
+                    k = int(np.flatnonzero(sb != sn)[0])
+                    raise CopyError(
+                        f"{_label(e.site)}: merged D2D source bytes [{e.slo + k:#x}, ...) were "
+                        f"written by other work between the copy and its barrier (byte {k} "
+                        f"went {sb[k]:#04x} -> {sn[k]:#04x})"
+                    )
+        self.verify_pending()
+
+    def verify_pending(self) -> None:
+        """Check the ``unchanged`` claims made since the last flush."""
+        pending, self.pending = self.pending, []
+        for fn in pending:
+            fn()
+
+
+def _overlay(buf, lo, hi, staged, backend, stream) -> None:
+    """Apply still-staged descriptors to extent bytes ``buf`` = device ``[lo, hi)``."""
+    for e, payload, ssnap in staged:
+        for desc, data in payload:
+            dst, src, value, dpitch, spitch, width, rows, kind, elem = desc[:9]
+            for r in range(rows):
+                a = dst + r * dpitch
+                b = a + width
+                if b <= lo or a >= hi:
+                    continue
+                if kind <= 2:
+                    row = data[r * width : (r + 1) * width]
+                elif kind == 3:
+                    sb = ssnap.read(backend, stream)
+                    o = src + r * spitch - e.slo
+                    row = sb[o : o + width]
+                else:
+                    row = np.frombuffer(int(value).to_bytes(8, "little")[:elem] * (width // elem),
+                                        np.uint8)
+                x0, x1 = max(a, lo), min(b, hi)
+                buf[x0 - lo : x1 - lo] = row[x0 - a : x1 - a]
+
+
+def verify_unchanged(copier, site, d, s, fill) -> None:
+    """Check an ``unchanged=True`` claim against the device in program order.
+
+    Parameters
+    ----------
+    copier : DeviceCopier
+    site : CopySite
+    d : ArrayInfo
+        The destination.
+    s : ArrayInfo or None
+        The source of a copy (host or device), None for a fill.
+    fill : tuple or None
+        ``(start, pattern_bytes)`` of a fill.
+    """
+    backend, stream = copier.backend, copier.stream
+    it = d.dtype.itemsize
+    lo, hi = _layout.extent(d.ptr, d.shape, d.strides, it)
+    staged = [(e, e.data, e.ssnap) for e in copier._entries if e.data is not None]
+    dsnap = _Snap(backend, stream, lo, hi)
+    ssnap = None
+    if s is not None and s.device is not None:
+        slo, shi = _layout.extent(s.ptr, s.shape, s.strides, it)
+        ssnap = (_Snap(backend, stream, slo, shi), slo, shi)
+    host = None
+    if s is not None and s.device is None:
+        host = np.ascontiguousarray(s.host).reshape(-1).view(np.uint8).reshape(-1, it).copy()
+    copier.stats.sites[site].checked += 1
+
+    def run():
+        buf = dsnap.read(backend, stream).copy()
+        _overlay(buf, lo, hi, staged, backend, stream)
+        got = _elements(buf, lo, d.ptr, d.shape, d.strides, it)
+        if fill is not None:
+            start, pattern = fill
+            got = got[start:]
+            want = np.broadcast_to(np.frombuffer(pattern, np.uint8), got.shape)
+            _first_diff(site, "unchanged fill_tail of", d, got, want)
+            return
+        if host is not None:
+            want = host
+        else:
+            snap, slo, shi = ssnap
+            sbuf = snap.read(backend, stream).copy()
+            _overlay(sbuf, slo, shi, staged, backend, stream)
+            want = _elements(sbuf, slo, s.ptr, s.shape, s.strides, it)
+        _first_diff(site, "unchanged copy into", d, got, want)
+
+    checker = copier._checker if copier.in_step else None
+    if checker is not None:
+        checker.pending.append(run)
+    else:
+        run()
+
+
+def verify_bytes(backend, stream, site, d, want: np.ndarray, start: int = 0) -> None:
+    """Check that device array ``d`` holds ``want`` (C-order bytes) from element ``start``.
+
+    Used by owners that skip an upload through their own copy path.
+    """
+    it = d.dtype.itemsize
+    lo, hi = _layout.extent(d.ptr, d.shape, d.strides, it)
+    buf = _Snap(backend, stream, lo, hi).read(backend, stream)
+    got = _elements(buf, lo, d.ptr, d.shape, d.strides, it)[start:]
+    _first_diff(site, "skipped upload into", d, got,
+                np.asarray(want).reshape(-1).view(np.uint8).reshape(-1, it))

@@ -1,0 +1,1010 @@
+"""DeviceCopier: stage, order and flush a step's copies; module-level routing."""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import contextvars
+import threading
+import weakref
+
+import numpy as np
+
+from . import _layout, check, pack
+from .adapters import ArrayInfo, readonly_hint, resolve
+from .errors import CopyError
+from .plan import CopyPlan
+from .ring import StagingRing
+from .sites import CopySite, Direction
+from .stats import CopyStats
+
+__all__ = ["DeviceCopier", "copy", "fill_tail", "flush", "active_copier"]
+
+_H2D, _D2D, _FILL = Direction.H2D, Direction.D2D, Direction.FILL
+FLUSH_MODES = ("auto", "dma", "mapped")
+_EMPTY_PLAN = CopyPlan()
+_FILL_ELEMS = (1, 2, 4, 8)
+
+
+def _label(site) -> str:
+    return site.label if isinstance(site, CopySite) else repr(site)
+
+
+def make_backend(backend=None, device=None):
+    """Build the backend for ``backend`` (``"cuda"``, ``"sim"``, None) and ``device``."""
+    from .backends.base import Backend
+
+    if isinstance(backend, Backend):
+        return backend
+    from .backends import sim
+
+    if backend is None:
+        if isinstance(device, sim.SimDevice):
+            backend = "sim"
+        else:
+            from .backends.cuda import gpu_available
+
+            backend = "cuda" if gpu_available() else "sim"
+    if backend == "sim":
+        if device is not None and not isinstance(device, sim.SimDevice):
+            raise TypeError(f"device: the sim backend takes a SimDevice, got {device!r}")
+        return sim.SimBackend(device)
+    if backend == "cuda":
+        from .backends.cuda import CudaBackend
+
+        if device is not None and not isinstance(device, int):
+            raise TypeError(f"device: the cuda backend takes a CUDA ordinal, got {device!r}")
+        return CudaBackend(device)
+    raise ValueError(f"backend: expected 'cuda', 'sim' or None, got {backend!r}")
+
+
+class _RangeSet:
+    """Byte ranges as sorted disjoint intervals, for overlap queries in O(log n)."""
+
+    __slots__ = ("lo", "hi")
+
+    def __init__(self):
+        self.lo: list[int] = []
+        self.hi: list[int] = []
+
+    def clear(self) -> None:
+        self.lo.clear()
+        self.hi.clear()
+
+    def overlaps(self, lo: int, hi: int) -> bool:
+        i = bisect.bisect_right(self.lo, lo)
+        if i and self.hi[i - 1] > lo:
+            return True
+        return i < len(self.lo) and self.lo[i] < hi
+
+    def add(self, lo: int, hi: int) -> None:
+        """Insert, merging with any interval it touches."""
+        i = bisect.bisect_left(self.hi, lo)  # first interval ending at or after lo
+        j = bisect.bisect_right(self.lo, hi)  # past the last starting at or before hi
+        if i < j:
+            lo = min(lo, self.lo[i])
+            hi = max(hi, self.hi[j - 1])
+        self.lo[i:j] = [lo]
+        self.hi[i:j] = [hi]
+
+
+class _Entry:
+    """One staged descriptor's bookkeeping (site, drop callbacks, ranges, check data)."""
+
+    __slots__ = ("site", "on_drop", "lo", "hi", "slo", "shi", "index", "geom", "data", "snap",
+                 "ssnap", "value")
+
+    def __init__(self, site, on_drop, lo, hi, index):
+        self.site = site
+        self.on_drop = on_drop
+        self.lo = lo
+        self.hi = hi
+        self.slo = self.shi = 0
+        self.index = index
+        self.geom = None
+        self.data = None
+        self.snap = None
+        self.ssnap = None
+        self.value = None
+
+
+class DeviceCopier:
+    """Routes a step's copies through named sites and merges what the plan allows.
+
+    Parameters
+    ----------
+    plan : CopyPlan, optional
+        Which sites to merge and which are barriers. None merges nothing.
+    stream : stream, optional
+        The stream every copy goes on: a CuPy or torch stream, anything with
+        ``__cuda_stream__``, a raw handle, or a sim stream. None: the
+        backend's current stream at construction.
+    device : int or SimDevice, optional
+        The device the copier belongs to (a CUDA ordinal or a simulated device).
+    backend : {"cuda", "sim", None}
+        None picks cuda when a GPU is visible, else sim.
+    slots : int
+        Pinned staging slots in the ring (steps that may be in flight at once).
+    capacity : int
+        Bytes of one slot; a step that overflows it runs the rest eagerly and
+        the ring grows the slot at the next :meth:`begin`.
+    flush_mode : {"auto", "dma", "mapped"}
+        How a segment reaches the scatter kernel: uploaded with one H2D copy
+        (``dma``), read from mapped pinned memory (``mapped``), or chosen by
+        segment size (``auto``).
+
+    Raises
+    ------
+    ValueError
+        On a bad ``slots``, ``capacity`` or ``flush_mode``.
+    """
+
+    def __init__(self, plan: CopyPlan | None = None, stream=None, device=None, backend=None,
+                 slots: int = 4, capacity: int = 1 << 20, flush_mode: str = "auto"):
+        if plan is None:
+            plan = _EMPTY_PLAN
+        if not isinstance(plan, CopyPlan):
+            raise TypeError(f"plan: expected a CopyPlan, got {type(plan).__qualname__}")
+        if not isinstance(slots, int) or slots < 1:
+            raise ValueError(f"slots: expected an int >= 1, got {slots!r}")
+        if not isinstance(capacity, int) or capacity < 4096:
+            raise ValueError(f"capacity: expected an int >= 4096 bytes, got {capacity!r}")
+        if flush_mode not in FLUSH_MODES:
+            raise ValueError(f"flush_mode: expected one of {FLUSH_MODES}, got {flush_mode!r}")
+        self.plan = plan
+        self._merge = plan.merge
+        self._barriers = plan.flush_after
+        self._backend = make_backend(backend, device)
+        self._stream_obj = stream  # keeps a user's stream object alive
+        self._stream = self._backend.resolve_stream(stream)
+        self._handle = self._stream if isinstance(self._stream, int) else None
+        self.flush_mode = flush_mode
+        self._mapped_max = self._backend.mapped_threshold()
+        self._ring = StagingRing(self._backend, slots, capacity)
+        self.stats = CopyStats()
+        self._closed = False
+        self._in_step = False
+        self._capturing = False
+        self._owner = None
+        self._slot = None
+        self._checker = None
+        # the open segment
+        self._descs: list = []
+        self._entries: list = []
+        self._writes = _RangeSet()
+        self._reads = _RangeSet()
+        self._exact: dict = {}
+        self._seg = -1
+        self._data0 = 0
+        self._reserve = 16
+        self._cursor = 0
+        self._finalizer = weakref.finalize(self, StagingRing.close, self._ring)
+        check.register(self)
+
+    # -- properties -----------------------------------------------------------------
+
+    @property
+    def backend(self):
+        """The backend (device) this copier runs on."""
+        return self._backend
+
+    @property
+    def stream(self):
+        """The stream every copy goes on, as the backend sees it."""
+        return self._stream
+
+    @property
+    def in_step(self) -> bool:
+        """True between :meth:`begin` and the end of the step."""
+        return self._in_step
+
+    @property
+    def closed(self) -> bool:
+        """True after :meth:`close`."""
+        return self._closed
+
+    @property
+    def staged(self) -> int:
+        """Copies staged and not yet flushed."""
+        return len(self._entries)
+
+    def __repr__(self) -> str:
+        return (f"DeviceCopier({self._backend.describe()}, slots={self._ring.slots}, "
+                f"flush_mode={self.flush_mode!r}, staged={len(self._entries)})")
+
+    # -- lifetime ---------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Flush what is staged, wait for in-flight slots and free the ring. Idempotent."""
+        if self._closed:
+            return
+        try:
+            if self._entries:
+                self._flush_segment()
+            self._ring.record(self._stream)
+        finally:
+            self._closed = True
+            self._in_step = False
+            check.unregister(self)
+            self._finalizer()
+
+    def __enter__(self) -> DeviceCopier:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _live(self, site=None) -> None:
+        if self._closed:
+            who = f"{_label(site)}: " if site is not None else ""
+            raise CopyError(f"{who}the copier is closed")
+        if self._in_step and self._owner != threading.get_ident():
+            who = f"{_label(site)}: " if site is not None else ""
+            raise CopyError(f"{who}this copier's step belongs to another thread; use one copier "
+                            "per thread (activate() keeps them apart)")
+
+    # -- steps ------------------------------------------------------------------------
+
+    def begin(self) -> None:
+        """Start a step: advance the ring (waiting only if the next slot is in flight).
+
+        Anything still staged from the previous step is flushed first.
+        """
+        self._live()
+        if self._in_step and self._entries:
+            self.flush()
+        self._owner = threading.get_ident()
+        self._in_step = True
+        self.stats.steps += 1
+        self._checker = check.Checker(self) if check.CHECK_MODE else None
+        self._capturing = self._backend.is_capturing(self._stream)
+        if self._capturing:
+            return
+        self._advance()
+
+    def _advance(self) -> None:
+        self._ring.record(self._stream)
+        slot, waited = self._ring.acquire()
+        if waited:
+            self.stats.host_waits += 1
+        self._slot = slot
+        self._seg = -1
+        self._cursor = 0
+
+    def flush(self) -> None:
+        """Barrier: land everything staged (one upload + one launch per open segment).
+
+        Also records the slot's event. Does nothing while the stream is capturing.
+        """
+        self._live()
+        if self._backend.is_capturing(self._stream):
+            if self._entries:
+                raise CopyError(
+                    f"{_label(self._entries[0].site)}: capture began on the copier's stream while "
+                    "copies were staged; begin the step inside the capture"
+                )
+            return
+        if self._entries:
+            self._flush_segment()
+        elif self._checker is not None:
+            self._checker.verify_pending()
+        self._ring.record(self._stream)
+
+    def discard(self) -> None:
+        """Drop everything staged and not yet flushed, calling each copy's ``on_drop``.
+
+        The step ends; the copier is ready for the next :meth:`begin`.
+
+        Raises
+        ------
+        CopyError
+            If an ``on_drop`` callback raised (every callback still runs).
+        """
+        entries = self._entries
+        self._reset_segment()
+        self._in_step = False
+        if self._slot is not None:
+            self._ring.record(self._stream)
+        self._run_drops(entries)
+
+    @staticmethod
+    def _run_drops(entries) -> None:
+        first = None
+        for e in entries:
+            for cb in e.on_drop or ():
+                try:
+                    cb()
+                except Exception as exc:  # every callback runs; the first error is reported
+                    if first is None:
+                        first = (e.site, exc)
+        if first is not None:
+            site, exc = first
+            raise CopyError(f"{_label(site)}: on_drop raised {exc!r}") from exc
+
+    @contextlib.contextmanager
+    def step(self):
+        """``begin()``; on exit ``flush()``; on an exception ``discard()`` and re-raise."""
+        self.begin()
+        try:
+            yield self
+        except BaseException:
+            self.discard()
+            raise
+        try:
+            self.flush()
+        finally:
+            self._in_step = False
+
+    @contextlib.contextmanager
+    def activate(self):
+        """Make this the active copier for :func:`cucopy.copy` in this thread / task."""
+        token = _active.set(self)
+        try:
+            yield self
+        finally:
+            _active.reset(token)
+
+    # -- validation ----------------------------------------------------------------------
+
+    def _dst(self, site, dst) -> ArrayInfo:
+        info = resolve(dst, self._handle)
+        if info.device is None:
+            raise ValueError(f"{_label(site)}: destination must be device memory, got host "
+                             f"memory {info.label}")
+        if info.readonly:
+            raise TypeError(f"{_label(site)}: {readonly_hint(info.label)}")
+        if info.device is not self._backend.device and info.device != self._backend.device:
+            raise ValueError(f"{_label(site)}: destination {info.label} is not on this copier's "
+                             f"device {self._backend.describe()}")
+        return info
+
+    def _src(self, site, src, direction) -> ArrayInfo:
+        info = resolve(src, self._handle)
+        if direction is _H2D:
+            if info.device is not None:
+                raise ValueError(f"{_label(site)}: H2D site needs a host source, got device "
+                                 f"array {info.label}")
+        elif info.device is None:
+            raise ValueError(f"{_label(site)}: D2D site needs a device source, got host "
+                             f"array {info.label}")
+        elif info.device is not self._backend.device and info.device != self._backend.device:
+            raise ValueError(f"{_label(site)}: source {info.label} is not on this copier's "
+                             f"device {self._backend.describe()}")
+        return info
+
+    def _site(self, site, want_fill: bool):
+        direction = getattr(site, "direction", None)
+        if not isinstance(site, CopySite) or direction is None:
+            raise TypeError(f"site: expected a CopySite member, got {site!r}")
+        if want_fill != (direction is _FILL):
+            call = "fill_tail" if want_fill else "copy"
+            raise ValueError(f"{site.label}: {call}() does not take a {direction.name} site")
+        return direction
+
+    # -- copy -------------------------------------------------------------------------------
+
+    def copy(self, site: CopySite, dst, src, *, unchanged: bool = False, on_drop=None) -> bool:
+        """Copy ``src`` into ``dst`` through ``site``.
+
+        Parameters
+        ----------
+        site : CopySite
+            An ``H2D`` or ``D2D`` site.
+        dst : array
+            Device destination on the copier's device.
+        src : array
+            Host source (``H2D``) or device source (``D2D``), same dtype and size.
+        unchanged : bool
+            The caller asserts ``dst`` already holds these values; nothing is issued.
+        on_drop : callable, optional
+            Called if the staged copy is discarded before it lands.
+
+        Returns
+        -------
+        bool
+            True when issued or staged, False when skipped.
+
+        Raises
+        ------
+        TypeError, ValueError, CopyError
+            Bad input, naming the site and the offending value; nothing staged is lost.
+        """
+        self._live(site)
+        direction = self._site(site, False)
+        d = self._dst(site, dst)
+        s = self._src(site, src, direction)
+        if d.dtype != s.dtype:
+            raise TypeError(f"{site.label}: dtype mismatch: dst {d.label}, src {s.label}")
+        n = d.size
+        if n != s.size:
+            raise ValueError(f"{site.label}: size mismatch: dst has {n} elements ({d.label}), "
+                             f"src has {s.size} ({s.label})")
+        if unchanged:
+            return self._skip(site, d, s, None)
+        if n == 0:
+            return False
+        if direction is _H2D:
+            return self._h2d(site, d, s, on_drop)
+        return self._d2d(site, d, s, on_drop)
+
+    def fill_tail(self, site: CopySite, dst, start: int, value, *, unchanged: bool = False,
+                  on_drop=None) -> bool:
+        """Write ``value`` into elements ``start:`` of the flattened ``dst``.
+
+        Parameters
+        ----------
+        site : CopySite
+            A ``FILL`` site.
+        dst : array
+            Device destination on the copier's device.
+        start : int
+            First element of the tail (0 <= start).
+        value : scalar
+            Converted to ``dst``'s dtype; must be representable.
+        unchanged : bool
+            The caller asserts the tail already holds ``value``.
+        on_drop : callable, optional
+            Called if the staged fill is discarded before it lands.
+
+        Returns
+        -------
+        bool
+            True when issued or staged, False when skipped or the tail is empty.
+        """
+        self._live(site)
+        self._site(site, True)
+        d = self._dst(site, dst)
+        if isinstance(start, bool) or not isinstance(start, (int, np.integer)) or start < 0:
+            raise ValueError(f"{site.label}: start must be an int >= 0, got {start!r}")
+        start = int(start)
+        pattern = _pattern(site, d.dtype, value)
+        if unchanged:
+            return self._skip(site, d, None, (start, pattern))
+        if start >= d.size:
+            self.stats.sites[site].skipped += 1
+            return False
+        return self._fill(site, d, start, pattern, on_drop)
+
+    # -- skip --------------------------------------------------------------------------------
+
+    def _skip(self, site, d, s, fill) -> bool:
+        if self._in_step and self._capturing or (
+            not self._in_step and self._backend.is_capturing(self._stream)
+        ):
+            raise ValueError(f"{site.label}: unchanged=True is refused during graph capture "
+                             "(a replay cannot know the values are unchanged)")
+        self.stats.sites[site].skipped += 1
+        if check.CHECK_MODE:
+            check.verify_unchanged(self, site, d, s, fill)
+        return False
+
+    # -- H2D ------------------------------------------------------------------------------
+
+    def _h2d(self, site, d, s, on_drop) -> bool:
+        if self._in_step and self._capturing:
+            return self._capture_h2d(site, d, s)
+        if not self._in_step:
+            return self._outside(site, d, s, None)
+        f = _layout.form(d.ptr, d.shape, d.strides, d.dtype.itemsize)
+        if site not in self._merge:
+            return self._eager_h2d(site, d, s, None)
+        if f is None:
+            return self._eager_h2d(site, d, s, "layout")
+        nbytes = f[1] * f[2]
+        lo, hi = _layout.extent(d.ptr, d.shape, d.strides, d.dtype.itemsize)
+        kind = pack.KIND_H2D if f[1] == 1 else pack.KIND_H2D_2D
+        e, off = self._stage(site, on_drop, lo, hi, f, nbytes, 1,
+                             lambda o: (f[0], o, 0, f[3], f[2], f[2], f[1], kind, 0, 0))
+        if e is None:
+            return self._eager_h2d(site, d, s, "slot_full")
+        _snapshot(self._slot.array, off, s, nbytes)
+        self._cursor = off + nbytes
+        if self._checker is not None:
+            self._checker.on_stage(e, d, None)
+        if site in self._barriers:
+            self._flush_segment()
+        return True
+
+    def _capture_h2d(self, site, d, s) -> bool:
+        pinned = s.pinned if s.pinned is not None else self._backend.is_pinned(s.ptr)
+        if not pinned:
+            raise ValueError(f"{site.label}: during graph capture an H2D source must be pinned "
+                             f"(the graph re-reads it at each replay), got pageable {s.label}")
+        if s.host is not None and not s.host.flags.c_contiguous:
+            raise ValueError(f"{site.label}: during graph capture an H2D source must be "
+                             f"contiguous, got {s.label}")
+        off = 0
+        for ptr, rows, width, pitch in _layout.blocks(d.ptr, d.shape, d.strides,
+                                                      d.dtype.itemsize):
+            self._backend.copy2d(True, ptr, pitch, s.ptr + off, width, width, rows, self._stream)
+            off += rows * width
+        st = self.stats.sites[site]
+        st.eager += 1
+        if site in self._merge:
+            st.fallback["capture"] += 1
+        return True
+
+    def _eager_h2d(self, site, d, s, reason) -> bool:
+        lo, hi = _layout.extent(d.ptr, d.shape, d.strides, d.dtype.itemsize)
+        if self._entries and (self._writes.overlaps(lo, hi) or self._reads.overlaps(lo, hi)):
+            self._order_flush()
+        nbytes = d.nbytes
+        host_ptr, buf, off = self._eager_space(nbytes)
+        _snapshot(buf, off, s, nbytes)
+        pos = 0
+        for ptr, rows, width, pitch in _layout.blocks(d.ptr, d.shape, d.strides,
+                                                      d.dtype.itemsize):
+            self._backend.copy2d(True, ptr, pitch, host_ptr + pos, width, width, rows,
+                                 self._stream)
+            pos += rows * width
+        self._slot.dirty = True
+        st = self.stats.sites[site]
+        st.eager += 1
+        if reason is not None:
+            st.fallback[reason] += 1
+        return True
+
+    def _eager_space(self, nbytes):
+        """Pinned space for an eager snapshot: the slot's top, else a temporary buffer."""
+        slot = self._slot
+        top = (slot.top - nbytes) & -pack.ALIGN
+        if top >= max(self._cursor, slot.bottom) + (self._reserve_tail() if self._entries else 0):
+            slot.top = top
+            return slot.pinned.ptr + top, slot.array, top
+        self._ring.note_demand(slot.size + nbytes)
+        tmp = self._backend.alloc_pinned(nbytes)
+        slot.temps.append(tmp)
+        return tmp.ptr, tmp.array, 0
+
+    # -- D2D ------------------------------------------------------------------------------
+
+    def _d2d(self, site, d, s, on_drop) -> bool:
+        if not self._in_step:
+            if self._backend.is_capturing(self._stream):
+                return self._capture_d2d(site, d, s)
+            return self._outside(site, d, s, None)
+        if self._capturing:
+            return self._capture_d2d(site, d, s)
+        it = d.dtype.itemsize
+        lo, hi = _layout.extent(d.ptr, d.shape, d.strides, it)
+        slo, shi = _layout.extent(s.ptr, s.shape, s.strides, it)
+        pair = _pair(d, s)
+        if site not in self._merge:
+            return self._eager_d2d(site, d, s, None)
+        if pair is None:
+            return self._eager_d2d(site, d, s, "layout")
+        if lo < shi and slo < hi:
+            return self._eager_d2d(site, d, s, "overlap")
+        if self._entries and self._writes.overlaps(slo, shi):
+            self._order_flush()  # the source is a staged destination: land it first
+        (dptr, rows, width, dpitch), (sptr, _, _, spitch) = pair
+        desc = (dptr, sptr, 0, dpitch, spitch, width, rows, pack.KIND_D2D, 0, 0)
+        e, _ = self._stage(site, on_drop, lo, hi, pair[0], 0, 1, lambda o: desc)
+        if e is None:
+            return self._eager_d2d(site, d, s, "slot_full")
+        e.slo, e.shi = slo, shi
+        self._reads.add(slo, shi)
+        if self._checker is not None:
+            self._checker.on_stage(e, d, s)
+        if site in self._barriers:
+            self._flush_segment()
+        return True
+
+    def _capture_d2d(self, site, d, s) -> bool:
+        pair = _pair(d, s)
+        if pair is None:
+            raise ValueError(f"{site.label}: during graph capture a D2D copy needs contiguous or "
+                             f"matching 2-D layouts, got dst {d.label}, src {s.label}")
+        (dptr, rows, width, dpitch), (sptr, _, _, spitch) = pair
+        self._backend.copy2d(False, dptr, dpitch, sptr, spitch, width, rows, self._stream)
+        st = self.stats.sites[site]
+        st.eager += 1
+        if site in self._merge:
+            st.fallback["capture"] += 1
+        return True
+
+    def _eager_d2d(self, site, d, s, reason) -> bool:
+        it = d.dtype.itemsize
+        lo, hi = _layout.extent(d.ptr, d.shape, d.strides, it)
+        slo, shi = _layout.extent(s.ptr, s.shape, s.strides, it)
+        if self._entries and (self._writes.overlaps(lo, hi) or self._reads.overlaps(lo, hi)
+                              or self._writes.overlaps(slo, shi)):
+            self._order_flush()
+        pair = _pair(d, s)
+        be, stream = self._backend, self._stream
+        if pair is not None and not (lo < shi and slo < hi):
+            (dptr, rows, width, dpitch), (sptr, _, _, spitch) = pair
+            be.copy2d(False, dptr, dpitch, sptr, spitch, width, rows, stream)
+        else:
+            # through a dense temporary: any layout on either side, overlap included
+            tmp = be.alloc_device(d.nbytes)
+            self._slot.temps.append(tmp)
+            pos = 0
+            for ptr, rows, width, pitch in _layout.blocks(s.ptr, s.shape, s.strides, it):
+                be.copy2d(False, tmp.ptr + pos, width, ptr, pitch, width, rows, stream)
+                pos += rows * width
+            pos = 0
+            for ptr, rows, width, pitch in _layout.blocks(d.ptr, d.shape, d.strides, it):
+                be.copy2d(False, ptr, pitch, tmp.ptr + pos, width, width, rows, stream)
+                pos += rows * width
+        self._slot.dirty = True
+        st = self.stats.sites[site]
+        st.eager += 1
+        if reason is not None:
+            st.fallback[reason] += 1
+        return True
+
+    # -- fill ------------------------------------------------------------------------------
+
+    def _fill(self, site, d, start, pattern, on_drop) -> bool:
+        it = d.dtype.itemsize
+        if not self._in_step:
+            if self._backend.is_capturing(self._stream):
+                return self._capture_fill(site, d, start, pattern)
+            return self._outside(site, d, None, (start, pattern))
+        if self._capturing:
+            return self._capture_fill(site, d, start, pattern)
+        f = _layout.form(d.ptr, d.shape, d.strides, it)
+        if site not in self._merge:
+            return self._eager_fill(site, d, start, pattern, None)
+        if f is None or it not in _FILL_ELEMS:
+            return self._eager_fill(site, d, start, pattern, "layout")
+        parts = _layout.tail_blocks(f, start, it)
+        lo = min(p[0] for p in parts)
+        last = parts[-1]
+        hi = last[0] + (last[1] - 1) * last[3] + last[2]
+        value = int.from_bytes(pattern, "little")
+        descs = [(p[0], 0, value, p[3], 0, p[2], p[1], pack.KIND_FILL, it, 0) for p in parts]
+        geom = parts[0] if len(parts) == 1 else None
+        e, _ = self._stage(site, on_drop, lo, hi, geom, 0, len(descs), lambda o: descs)
+        if e is None:
+            return self._eager_fill(site, d, start, pattern, "slot_full")
+        e.value = (start, pattern)
+        if self._checker is not None:
+            self._checker.on_stage(e, d, None)
+        if site in self._barriers:
+            self._flush_segment()
+        return True
+
+    def _capture_fill(self, site, d, start, pattern) -> bool:
+        it = d.dtype.itemsize
+        if it not in _FILL_ELEMS:
+            raise ValueError(f"{site.label}: during graph capture fill_tail needs 1, 2, 4 or "
+                             f"8-byte elements, got {d.label}")
+        self._issue_fill(d, start, pattern)
+        st = self.stats.sites[site]
+        st.eager += 1
+        if site in self._merge:
+            st.fallback["capture"] += 1
+        return True
+
+    def _issue_fill(self, d, start, pattern) -> None:
+        it = d.dtype.itemsize
+        value = int.from_bytes(pattern, "little")
+        f = _layout.form(d.ptr, d.shape, d.strides, it)
+        if f is not None:
+            parts = _layout.tail_blocks(f, start, it)
+        else:
+            flat = _flat_tail_blocks(d, start)
+            parts = flat
+        for ptr, rows, width, pitch in parts:
+            self._backend.fill(ptr, pitch, width, rows, value, it, self._stream)
+
+    def _eager_fill(self, site, d, start, pattern, reason) -> bool:
+        it = d.dtype.itemsize
+        lo, hi = _layout.extent(d.ptr, d.shape, d.strides, it)
+        if self._entries and (self._writes.overlaps(lo, hi) or self._reads.overlaps(lo, hi)):
+            self._order_flush()
+        if it in _FILL_ELEMS:
+            self._issue_fill(d, start, pattern)
+        else:
+            # an element the fill kernel does not take: upload the tail's bytes instead
+            count = d.size - start
+            nbytes = count * it
+            host_ptr, buf, off = self._eager_space(nbytes)
+            buf[off : off + nbytes] = np.frombuffer(pattern * count, np.uint8)
+            pos = 0
+            for ptr, rows, width, pitch in _flat_tail_blocks(d, start):
+                self._backend.copy2d(True, ptr, pitch, host_ptr + pos, width, width, rows,
+                                     self._stream)
+                pos += rows * width
+        self._slot.dirty = True
+        st = self.stats.sites[site]
+        st.eager += 1
+        if reason is not None:
+            st.fallback[reason] += 1
+        return True
+
+    # -- outside a step -------------------------------------------------------------------
+
+    def _outside(self, site, d, s, fill) -> bool:
+        """An eager copy outside a step, snapshotted through the current slot."""
+        nbytes = d.nbytes if fill is None else (d.size - fill[0]) * d.dtype.itemsize
+        slot = self._slot
+        if slot is None or (s is not None and s.device is None
+                            and slot.top - nbytes < max(slot.bottom, self._cursor)):
+            self._advance()
+        self._in_step = True
+        try:
+            if fill is not None:
+                self._eager_fill(site, d, fill[0], fill[1], None)
+            elif s.device is None:
+                self._eager_h2d(site, d, s, None)
+            else:
+                self._eager_d2d(site, d, s, None)
+        finally:
+            self._in_step = False
+        self._ring.record(self._stream)
+        if site in self._merge:
+            self.stats.sites[site].fallback["outside_step"] += 1
+        return True
+
+    # -- the open segment ---------------------------------------------------------------------
+
+    def _open_segment(self) -> None:
+        slot = self._slot
+        self._seg = pack.align(max(slot.bottom, self._cursor), 256)
+        self._data0 = pack.align(self._seg + pack.HEADER_BYTES + self._reserve * pack.DESC_BYTES)
+        self._cursor = self._data0
+
+    def _reserve_tail(self) -> int:
+        """Bytes the descriptor table may still grow into past the reservation."""
+        extra = len(self._descs) + 2 - self._reserve
+        return extra * pack.DESC_BYTES + pack.ALIGN if extra > 0 else 0
+
+    def _reserve_data(self, nbytes: int, ndesc: int = 1) -> int:
+        """Offset for ``nbytes`` of data in the open segment, or -1 if the slot is full."""
+        if self._seg < 0:
+            self._open_segment()
+        off = pack.align(self._cursor)
+        grow = len(self._descs) + ndesc + 1 - self._reserve
+        need = off + nbytes + (grow * pack.DESC_BYTES + pack.ALIGN if grow > 0 else 0)
+        if need > self._slot.top:
+            self._ring.note_demand(self._slot.size + need - self._slot.top)
+            return -1
+        return off
+
+    def _stage(self, site, on_drop, lo, hi, geom, nbytes, ndesc, make):
+        """Reserve data space and place descriptor(s) ``make(offset)``.
+
+        Returns ``(entry, offset)``, or ``(None, -1)`` when the slot is full.
+        """
+        for _ in range(2):
+            off = self._reserve_data(nbytes, ndesc)
+            if off < 0:
+                return None, -1
+            e = self._place(site, on_drop, lo, hi, geom, make(off))
+            if e is not None:
+                return e, off
+        raise AssertionError("internal: a fresh segment refused a descriptor")
+
+    def _place(self, site, on_drop, lo, hi, geom, desc):
+        """Append a descriptor (or a list of them) unless ordering forces a flush.
+
+        Returns the entry, or None after flushing the open segment for order
+        (the caller re-reserves and places again into the fresh segment).
+        """
+        w = self._writes
+        if self._entries and (w.overlaps(lo, hi) or self._reads.overlaps(lo, hi)):
+            i = self._exact.get((lo, hi))
+            if (i is not None and geom is not None and not isinstance(desc, list)
+                    and self._entries[i].geom == geom and not self._reads.overlaps(lo, hi)):
+                # the same destination again: the later copy replaces the staged one
+                e = self._entries[i]
+                old = e.index
+                if isinstance(old, int) and self._descs[old][7] != pack.KIND_D2D:
+                    self._descs[old] = desc
+                    if on_drop is not None:
+                        e.on_drop = (e.on_drop or []) + [on_drop]
+                    self.stats.sites[site].merged += 1
+                    e.site = site
+                    return e
+            self._order_flush()
+            return None
+        n = len(self._descs)
+        if isinstance(desc, list):
+            self._descs.extend(desc)
+            index = list(range(n, n + len(desc)))
+        else:
+            self._descs.append(desc)
+            index = n
+        e = _Entry(site, [on_drop] if on_drop is not None else None, lo, hi, index)
+        e.geom = geom
+        self._entries.append(e)
+        w.add(lo, hi)
+        self._exact[(lo, hi)] = len(self._entries) - 1
+        return e
+
+    def _order_flush(self) -> None:
+        self.stats.eager_flushes += 1
+        self._flush_segment()
+
+    def _reset_segment(self) -> None:
+        self._descs = []
+        self._entries = []
+        self._writes.clear()
+        self._reads.clear()
+        self._exact.clear()
+        self._seg = -1
+
+    def _flush_segment(self) -> None:
+        """Issue the open segment: header + descriptors, then one upload and one launch."""
+        entries, descs = self._entries, self._descs
+        if not entries:
+            return
+        slot = self._slot
+        seg, data0, end = self._seg, self._data0, pack.align(self._cursor)
+        n = len(descs)
+        need0 = pack.align(seg + pack.HEADER_BYTES + n * pack.DESC_BYTES)
+        shift = 0
+        if need0 > data0:  # the table outgrew its reservation: move the data up
+            shift = need0 - data0
+            slot.array[need0 : end + shift] = slot.array[data0:end].copy()
+            end += shift
+            data0 = need0
+        self._reserve = max(self._reserve, n)
+        # H2D rows carry slot offsets; the wire format wants segment offsets
+        rebase = shift - seg
+        rows = [
+            (dd[0], dd[1] + rebase, *dd[2:]) if dd[7] <= pack.KIND_H2D_2D else dd for dd in descs
+        ]
+        checker = self._checker
+        try:
+            if checker is not None:
+                checker.before_flush(entries)
+            nblocks = pack.encode(slot.array[seg:data0], rows, data0 - seg, end - seg)
+            total = end - seg
+            be = self._backend
+            if self.flush_mode == "mapped" or (self.flush_mode == "auto"
+                                               and total <= self._mapped_max):
+                be.scatter(slot.pinned.device_ptr + seg, nblocks, self._stream, True)
+            else:
+                be.copy2d(True, slot.staging.ptr + seg, total, slot.pinned.ptr + seg, total,
+                          total, 1, self._stream)
+                be.scatter(slot.staging.ptr + seg, nblocks, self._stream, False)
+        except BaseException as exc:
+            self._reset_segment()
+            self._cursor = end
+            slot.dirty = True
+            try:
+                self._run_drops(entries)
+            except CopyError:
+                pass
+            if isinstance(exc, CopyError):
+                raise
+            raise CopyError(f"{_label(entries[0].site)}: flushing {len(entries)} staged copies "
+                            f"failed: {exc!r}; their on_drop callbacks ran") from exc
+        slot.dirty = True
+        slot.bottom = end
+        self._cursor = end
+        st = self.stats
+        st.segments += 1
+        st.bytes_staged += end - seg
+        sites = st.sites
+        for e in entries:
+            sites[e.site].merged += 1
+        self._reset_segment()
+
+
+_active: contextvars.ContextVar = contextvars.ContextVar("cucopy_active_copier", default=None)
+
+
+def _pattern(site, dtype, value) -> bytes:
+    try:
+        with np.errstate(over="raise", invalid="raise"):
+            arr = np.asarray(value)
+            if arr.ndim != 0:
+                raise ValueError("not a scalar")
+            cast = arr.astype(dtype)
+            if arr.dtype.kind in "biuf" and dtype.kind in "biuf" and cast != arr:
+                raise ValueError("not representable")
+    except (ValueError, TypeError, OverflowError, FloatingPointError) as exc:
+        raise ValueError(f"{_label(site)}: fill value {value!r} does not fit dtype {dtype} "
+                         f"({exc})") from None
+    return cast.tobytes()
+
+
+def _snapshot(buf, off, s, nbytes) -> None:
+    """Copy the host source's bytes into pinned memory at ``buf[off:]`` (C order)."""
+    host = s.host
+    if host.flags.c_contiguous:
+        buf[off : off + nbytes] = host.reshape(-1).view(np.uint8)
+    else:
+        np.copyto(buf[off : off + nbytes].view(host.dtype).reshape(host.shape), host)
+
+
+def _pair(d, s):
+    """Matching 2-D forms of a D2D copy's two sides, or None."""
+    it = d.dtype.itemsize
+    fd = _layout.form(d.ptr, d.shape, d.strides, it)
+    fs = _layout.form(s.ptr, s.shape, s.strides, it)
+    if fd is None or fs is None:
+        return None
+    if fd[1:3] == fs[1:3]:
+        return fd, fs
+    if fs[1] == 1 and fd[1] * fd[2] == fs[2]:
+        return fd, (fs[0], fd[1], fd[2], fd[2])
+    if fd[1] == 1 and fs[1] * fs[2] == fd[2]:
+        return (fd[0], fs[1], fs[2], fs[2]), fs
+    return None
+
+
+def _flat_tail_blocks(d, start) -> list:
+    """2-D forms covering elements ``start:`` of any view, in C order."""
+    it = d.dtype.itemsize
+    out = []
+    skip = start
+    for blk in _layout.blocks(d.ptr, d.shape, d.strides, it):
+        ptr, rows, width, pitch = blk
+        count = rows * width // it
+        if skip >= count:
+            skip -= count
+            continue
+        out.extend(_layout.tail_blocks(blk, skip, it) if skip else [blk])
+        skip = 0
+    return out
+
+
+# -- module-level routing ----------------------------------------------------------------
+
+_plain: dict = {}
+_plain_lock = threading.Lock()
+
+
+def active_copier() -> DeviceCopier | None:
+    """The copier :func:`activate <DeviceCopier.activate>` made active here, if any."""
+    return _active.get()
+
+
+def _plain_copier(dst) -> DeviceCopier:
+    """A plan-less copier for ``dst``'s device and its library's current stream."""
+    from .adapters import current_stream
+
+    info = resolve(dst)
+    if info.device is None:
+        raise ValueError(f"destination must be device memory, got host memory {info.label}")
+    stream = current_stream(dst)
+    key = (id(info.device), id(stream) if stream is not None and not isinstance(stream, int)
+           else stream)
+    with _plain_lock:
+        c = _plain.get(key)
+        if c is None or c.closed:
+            from .backends import sim
+
+            backend = "sim" if isinstance(info.device, sim.SimDevice) else "cuda"
+            c = DeviceCopier(None, stream=stream, device=info.device, backend=backend,
+                             slots=4, capacity=1 << 16)
+            _plain[key] = c
+    return c
+
+
+def copy(site: CopySite, dst, src, *, unchanged: bool = False, on_drop=None) -> bool:
+    """Copy through the active copier, or as a plain async copy when none is active.
+
+    A plain copy goes on the array library's current stream and is still
+    snapshotted (the caller may overwrite a host source right after).
+    See :meth:`DeviceCopier.copy` for the parameters.
+    """
+    c = _active.get()
+    if c is None:
+        c = _plain_copier(dst)
+    return c.copy(site, dst, src, unchanged=unchanged, on_drop=on_drop)
+
+
+def fill_tail(site: CopySite, dst, start: int, value, *, unchanged: bool = False,
+              on_drop=None) -> bool:
+    """Fill a tail through the active copier, or plainly when none is active.
+
+    See :meth:`DeviceCopier.fill_tail` for the parameters.
+    """
+    c = _active.get()
+    if c is None:
+        c = _plain_copier(dst)
+    return c.fill_tail(site, dst, start, value, unchanged=unchanged, on_drop=on_drop)
+
+
+def flush() -> None:
+    """Flush the active copier (a barrier); nothing to do when none is active."""
+    c = _active.get()
+    if c is not None:
+        c.flush()

@@ -1,0 +1,176 @@
+"""StagingRing: pinned host slots with matching device staging buffers.
+
+A step writes its segments upward from the bottom of one slot and the
+snapshots of its eager copies downward from the top. The ring advances once
+per step; the host waits only when the slot it is about to reuse is still in
+flight (its event, recorded after the last work that reads it, has not
+completed). Barriers append segments to the same slot, so they never wait.
+"""
+
+from __future__ import annotations
+
+import collections
+
+from . import pack
+
+__all__ = ["StagingRing", "Slot"]
+
+# Demand is remembered over this many steps before a slot shrinks back.
+_DEMAND_WINDOW = 64
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+class Slot:
+    """One pinned host buffer, its device staging twin and its event.
+
+    Attributes
+    ----------
+    pinned : PinnedBuffer
+    staging : DeviceBuffer
+    event : object
+        Backend event recorded after the last work reading this slot.
+    size : int
+        Bytes of each buffer.
+    bottom : int
+        Next free byte for segments (grows upward).
+    top : int
+        Lowest byte used by eager snapshots (grows downward).
+    temps : list
+        Buffers (overflow snapshots, temporaries) freed when the slot is reused.
+    """
+
+    __slots__ = ("pinned", "staging", "event", "size", "bottom", "top", "temps", "recorded",
+                 "dirty", "array")
+
+    def __init__(self, backend, size: int):
+        self.pinned = backend.alloc_pinned(size)
+        try:
+            self.staging = backend.alloc_device(size)
+        except BaseException:
+            self.pinned.close()
+            raise
+        self.array = self.pinned.array
+        self.event = None
+        self.size = size
+        self.bottom = 0
+        self.top = size
+        self.temps = []
+        self.recorded = False
+        self.dirty = False
+
+    def release_temps(self) -> None:
+        """Free buffers whose readers have finished (the slot's event completed)."""
+        temps, self.temps = self.temps, []
+        for t in temps:
+            t.close()
+
+    def close(self) -> None:
+        """Free the slot's memory."""
+        self.release_temps()
+        self.pinned.close()
+        self.staging.close()
+        self.array = None
+
+
+class StagingRing:
+    """``slots`` pinned buffers of ``capacity`` bytes each, reused in turn.
+
+    Parameters
+    ----------
+    backend : Backend
+    slots : int
+        Number of slots (steps that may be in flight at once).
+    capacity : int
+        Bytes of one slot: headers, descriptors, merged data and eager snapshots.
+    """
+
+    def __init__(self, backend, slots: int, capacity: int):
+        self.backend = backend
+        self.capacity = capacity
+        self._slots: list[Slot | None] = [None] * slots
+        self._events = [backend.event_create() for _ in range(slots)]
+        self._index = -1
+        self._demand = collections.deque(maxlen=_DEMAND_WINDOW)
+        self._want = 0
+        self.current: Slot | None = None
+
+    @property
+    def slots(self) -> int:
+        """Number of slots."""
+        return len(self._slots)
+
+    def note_demand(self, nbytes: int) -> None:
+        """Record that a step needed ``nbytes`` of one slot (grows the next one)."""
+        self._want = max(self._want, nbytes)
+
+    def _target(self) -> int:
+        peak = max(self._demand, default=0)
+        return max(self.capacity, _pow2(pack.align(peak, 4096)))
+
+    def acquire(self) -> tuple[Slot, bool]:
+        """Advance to the next slot, waiting if it is still in flight.
+
+        Returns
+        -------
+        slot : Slot
+        waited : bool
+            True when the host had to wait for the slot's event.
+        """
+        prev = self.current
+        if prev is not None:
+            self._demand.append(max(self._want, prev.bottom + prev.size - prev.top))
+        self._want = 0
+        self._index = (self._index + 1) % len(self._slots)
+        event = self._events[self._index]
+        slot = self._slots[self._index]
+        waited = False
+        if slot is not None and slot.recorded and not self.backend.event_query(event):
+            self.backend.event_synchronize(event)
+            waited = True
+        target = self._target()
+        if slot is None or slot.size < target or slot.size > 2 * target:
+            # the slot is idle (never used, or its event completed above)
+            self.current = None
+            if slot is not None:
+                self._slots[self._index] = None
+                slot.close()
+            slot = Slot(self.backend, target)
+            slot.event = event
+            self._slots[self._index] = slot
+        else:
+            slot.release_temps()
+        slot.bottom = 0
+        slot.top = slot.size
+        slot.recorded = False
+        slot.dirty = False
+        self.current = slot
+        return slot, waited
+
+    def record(self, stream) -> None:
+        """Record the current slot's event after the work enqueued so far."""
+        slot = self.current
+        if slot is not None and slot.dirty:
+            self.backend.event_record(slot.event, stream)
+            slot.recorded = True
+            slot.dirty = False
+
+    def pinned_bytes(self) -> int:
+        """Pinned bytes held by the slots (temporaries excluded)."""
+        return sum(s.size for s in self._slots if s is not None)
+
+    def close(self) -> None:
+        """Wait for in-flight slots and free all memory."""
+        for slot in self._slots:
+            if slot is not None and slot.recorded:
+                self.backend.event_synchronize(slot.event)
+        for i, slot in enumerate(self._slots):
+            if slot is not None:
+                slot.close()
+                self._slots[i] = None
+        for ev in self._events:
+            self.backend.event_destroy(ev)
+        self._events = []
+        self.current = None

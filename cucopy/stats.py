@@ -1,0 +1,92 @@
+"""Counters a copier keeps, to compare two configurations after a run."""
+
+from __future__ import annotations
+
+import collections
+
+__all__ = ["SiteStats", "CopyStats"]
+
+
+class SiteStats:
+    """Counters of one site.
+
+    Attributes
+    ----------
+    merged : int
+        Copies staged into a segment.
+    eager : int
+        Copies issued eagerly (sites outside the plan, and fallbacks).
+    skipped : int
+        Copies skipped as ``unchanged`` (and empty tails).
+    fallback : collections.Counter
+        Merged-site copies that ran eagerly, by reason: ``"layout"``,
+        ``"slot_full"``, ``"outside_step"``, ``"capture"``, ``"overlap"``.
+    checked : int
+        Copies verified by check mode.
+    """
+
+    __slots__ = ("merged", "eager", "skipped", "fallback", "checked")
+
+    def __init__(self):
+        self.merged = 0
+        self.eager = 0
+        self.skipped = 0
+        self.fallback = collections.Counter()
+        self.checked = 0
+
+    def as_dict(self) -> dict:
+        """The counters as plain values."""
+        return {"merged": self.merged, "eager": self.eager, "skipped": self.skipped,
+                "fallback": dict(self.fallback), "checked": self.checked}
+
+    def __repr__(self) -> str:
+        return f"SiteStats({self.as_dict()})"
+
+
+class CopyStats:
+    """Per-site counters and totals of one copier.
+
+    Attributes
+    ----------
+    sites : dict
+        ``site -> SiteStats``, created on first use.
+    steps : int
+        Steps begun.
+    segments : int
+        Segments flushed (one upload + one launch each, or one launch when mapped).
+    bytes_staged : int
+        Bytes of all flushed segments.
+    host_waits : int
+        Times the host waited for a ring slot still in flight.
+    eager_flushes : int
+        Segments closed before their barrier to keep program order.
+    """
+
+    def __init__(self):
+        self.sites = collections.defaultdict(SiteStats)
+        self.steps = 0
+        self.segments = 0
+        self.bytes_staged = 0
+        self.host_waits = 0
+        self.eager_flushes = 0
+
+    def reset(self) -> None:
+        """Zero every counter."""
+        self.__init__()
+
+    def as_dict(self) -> dict:
+        """Counters as plain values, sites keyed by ``Class.MEMBER``."""
+        return {
+            "steps": self.steps, "segments": self.segments, "bytes_staged": self.bytes_staged,
+            "host_waits": self.host_waits, "eager_flushes": self.eager_flushes,
+            "sites": {s.label: v.as_dict() for s, v in self.sites.items()},
+        }
+
+    def __str__(self) -> str:
+        lines = [f"steps={self.steps} segments={self.segments} bytes_staged={self.bytes_staged} "
+                 f"host_waits={self.host_waits} eager_flushes={self.eager_flushes}",
+                 f"{'site':32} {'merged':>8} {'eager':>8} {'skipped':>8} {'checked':>8}  fallback"]
+        for site, v in sorted(self.sites.items(), key=lambda kv: kv[0].label):
+            fb = ", ".join(f"{k}={n}" for k, n in sorted(v.fallback.items()))
+            lines.append(f"{site.label:32} {v.merged:8} {v.eager:8} {v.skipped:8} {v.checked:8}  {fb}")
+        return "\n".join(lines)
