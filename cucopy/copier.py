@@ -551,7 +551,7 @@ class DeviceCopier:
         if top >= max(self._cursor, slot.bottom) + (self._reserve_tail() if self._entries else 0):
             slot.top = top
             return slot.pinned.ptr + top, slot.array, top
-        self._ring.note_demand(slot.size + nbytes)
+        self._ring.note_overflow(nbytes)
         tmp = self._backend.alloc_pinned(nbytes)
         slot.temps.append(tmp)
         return tmp.ptr, tmp.array, 0
@@ -760,7 +760,7 @@ class DeviceCopier:
         grow = len(self._descs) + ndesc + 1 - self._reserve
         need = off + nbytes + (grow * pack.DESC_BYTES + pack.ALIGN if grow > 0 else 0)
         if need > self._slot.top:
-            self._ring.note_demand(self._slot.size + need - self._slot.top)
+            self._ring.note_overflow(pack.align(nbytes) + ndesc * pack.DESC_BYTES)
             return -1
         return off
 

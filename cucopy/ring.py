@@ -102,9 +102,9 @@ class StagingRing:
         """Number of slots."""
         return len(self._slots)
 
-    def note_demand(self, nbytes: int) -> None:
-        """Record that a step needed ``nbytes`` of one slot (grows the next one)."""
-        self._want = max(self._want, nbytes)
+    def note_overflow(self, nbytes: int) -> None:
+        """Record ``nbytes`` a step wanted but its slot could not hold (grows the next one)."""
+        self._want += nbytes
 
     def _target(self) -> int:
         peak = max(self._demand, default=0)
@@ -121,7 +121,7 @@ class StagingRing:
         """
         prev = self.current
         if prev is not None:
-            self._demand.append(max(self._want, prev.bottom + prev.size - prev.top))
+            self._demand.append(self._want + prev.bottom + prev.size - prev.top)
         self._want = 0
         self._index = (self._index + 1) % len(self._slots)
         event = self._events[self._index]

@@ -93,6 +93,11 @@ class SimArray:
         self.device.synchronize()
         self._view[idx] = value
 
+    @property
+    def T(self) -> SimArray:  # noqa: N802 (NumPy's name)
+        """The transposed view."""
+        return SimArray(self.device, self._view.T, self._alloc, self._base)
+
     def reshape(self, *shape) -> SimArray:
         """A reshaped view (no copy; raises if one is impossible)."""
         v = self._view.view()

@@ -1,0 +1,384 @@
+"""The copier's contract (DESIGN.md items 0-6), on the sim device and, with a GPU, on CUDA."""
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import cucopy as cc
+
+
+class Site(cc.CopySite):
+    POS = cc.H2D
+    LENS = cc.H2D
+    TABLE = cc.H2D
+    PLAIN = cc.H2D
+    GATHER = cc.D2D
+    GATHER2 = cc.D2D
+    TAIL = cc.FILL
+    TAIL2 = cc.FILL
+
+
+PLAN = cc.CopyPlan(
+    merge={Site.POS, Site.LENS, Site.TABLE, Site.GATHER, Site.TAIL},
+    flush_after={Site.TABLE},
+)
+
+
+def test_merged_copies_land_at_flush_in_one_segment(env):
+    c = env.copier(PLAN)
+    a, b = env.empty((8,)), env.empty((3, 5))
+    with c.step():
+        assert c.copy(Site.POS, a, np.arange(8, dtype=np.int32)) is True
+        assert c.copy(Site.LENS, b[:, 1:4], np.full((3, 3), 9, np.int32)) is True
+        assert c.staged == 2
+    assert c.staged == 0
+    assert env.to_host(a).tolist() == list(range(8))
+    assert env.to_host(b)[:, 1:4].tolist() == [[9] * 3] * 3 and env.to_host(b)[:, 0].sum() == 0
+    assert c.stats.segments == 1 and c.stats.sites[Site.POS].merged == 1
+    assert c.stats.sites[Site.LENS].merged == 1
+
+
+@pytest.mark.parametrize("site", [Site.POS, Site.PLAIN])
+def test_snapshot_on_a_stalled_stream(env, site):
+    """A pinned source overwritten right after the call: the call's bytes land."""
+    c = env.copier(PLAN)
+    stream = env.default_stream
+    a = env.empty((16,))
+    src = env.pinned((16,))
+    with env.hold(stream):
+        with c.step():
+            src[:] = 5
+            c.copy(site, a, src)
+            src[:] = -1  # the host refills its buffer while the copy is still queued
+        src[:] = -2
+    assert env.to_host(a).tolist() == [5] * 16
+
+
+def test_overlap_scheduler_runs_steps_ahead_of_a_stalled_stream(env):
+    """One persistent pinned buffer refilled every step while the GPU is behind."""
+    c = env.copier(PLAN, slots=4)
+    stream = env.default_stream
+    host = env.pinned((32,))
+    outs = [env.empty((32,)) for _ in range(3)]
+    with env.hold(stream):
+        for step, out in enumerate(outs):
+            with c.step():
+                host[:] = np.arange(32) * (step + 1)
+                c.copy(Site.POS, out, host)
+                host[:] = 12345
+    assert c.stats.host_waits == 0
+    for step, out in enumerate(outs):
+        assert env.to_host(out).tolist() == (np.arange(32) * (step + 1)).tolist()
+
+
+def test_ring_reuse_over_many_steps(env):
+    c = env.copier(PLAN, slots=2)
+    a = env.empty((64,))
+    reads = []
+    for step in range(40):
+        with c.step():
+            c.copy(Site.POS, a, np.full(64, step, np.int32))
+            c.copy(Site.PLAIN, a[:4], np.full(4, -step, np.int32))
+        reads.append(env.read_later(env.default_stream, a))
+    for step, get in enumerate(reads):
+        got = get()
+        assert got[4:].tolist() == [step] * 60 and got[:4].tolist() == [-step] * 4
+    assert c.stats.steps == 40
+    assert c._ring.slots == 2
+
+
+def test_barrier_lands_before_the_next_stream_ordered_reader(env):
+    c = env.copier(PLAN)
+    table, pos = env.empty((4, 4)), env.empty((4,))
+    with c.step():
+        c.copy(Site.POS, pos, np.arange(4, dtype=np.int32))
+        c.copy(Site.TABLE, table, np.full((4, 4), 3, np.int32))
+        assert c.staged == 0  # the barrier flushed both
+        seen_table = env.read_later(env.default_stream, table)
+        seen_pos = env.read_later(env.default_stream, pos)
+        c.copy(Site.POS, pos, np.full(4, 8, np.int32))  # staged again after the barrier
+        assert c.staged == 1
+    assert seen_table().tolist() == [[3] * 4] * 4
+    assert seen_pos().tolist() == [0, 1, 2, 3]
+    assert env.to_host(pos).tolist() == [8] * 4
+
+
+def test_unchanged_skips_without_a_barrier(env):
+    c = env.copier(PLAN)
+    table = env.empty((4,))
+    with c.step():
+        c.copy(Site.POS, env.empty((2,)), np.ones(2, np.int32))
+        assert c.copy(Site.TABLE, table, np.zeros(4, np.int32), unchanged=True) is False
+        assert c.staged == 1  # no barrier: the skipped barrier site flushed nothing
+        assert c.fill_tail(Site.TAIL, table, 2, 0, unchanged=True) is False
+    assert c.stats.sites[Site.TABLE].skipped == 1
+    assert c.stats.sites[Site.TAIL].skipped == 1
+    assert c.stats.segments == 1
+
+
+def test_exception_in_step_drops_everything_and_calls_on_drop(env):
+    c = env.copier(PLAN)
+    a, b, g = env.empty((4,)), env.empty((4,)), env.empty((4,))
+    src = env.asarray(np.full(4, 5, np.int32))
+    dropped = []
+    with pytest.raises(KeyError), c.step():
+        c.copy(Site.POS, a, np.full(4, 1, np.int32), on_drop=lambda: dropped.append("pos"))
+        c.fill_tail(Site.TAIL, b, 1, 7, on_drop=lambda: dropped.append("tail"))
+        c.copy(Site.GATHER, g, src, on_drop=lambda: dropped.append("gather"))
+        raise KeyError("boom")
+    assert sorted(dropped) == ["gather", "pos", "tail"]
+    assert c.staged == 0 and not c.in_step
+    for arr in (a, b, g):
+        assert env.to_host(arr).tolist() == [0] * 4
+    with c.step():  # reusable
+        c.copy(Site.POS, a, np.full(4, 2, np.int32))
+    assert env.to_host(a).tolist() == [2] * 4
+    assert len(dropped) == 3  # not called again by the next step
+
+
+def test_discard_then_next_step(env):
+    c = env.copier(PLAN)
+    a = env.empty((4,))
+    c.begin()
+    c.copy(Site.POS, a, np.full(4, 1, np.int32))
+    c.discard()
+    c.begin()
+    c.copy(Site.LENS, a[1:3], np.full(2, 5, np.int32))
+    c.flush()
+    assert env.to_host(a).tolist() == [0, 5, 5, 0]
+
+
+def test_program_order_with_partial_overlaps(env):
+    """Staged, eager, D2D and fill on overlapping ranges land as if issued in order."""
+    c = env.copier(PLAN)
+    a = env.empty((16,))
+    b = env.empty((16,))
+    model_a = np.zeros(16, np.int32)
+    model_b = np.zeros(16, np.int32)
+    with c.step():
+        c.copy(Site.POS, a[0:8], np.arange(8, dtype=np.int32))
+        model_a[0:8] = np.arange(8)
+        c.copy(Site.LENS, a[4:12], np.full(8, 50, np.int32))  # partial overlap: order kept
+        model_a[4:12] = 50
+        c.copy(Site.PLAIN, a[10:14], np.full(4, 70, np.int32))  # eager over a staged range
+        model_a[10:14] = 70
+        c.copy(Site.GATHER, b[2:10], a[6:14])  # D2D reading staged + eager bytes
+        model_b[2:10] = model_a[6:14]
+        c.fill_tail(Site.TAIL, a, 12, -3)  # fill over the D2D source
+        model_a[12:] = -3
+        c.copy(Site.POS, b[0:4], np.full(4, 9, np.int32))  # write over a staged D2D dst
+        model_b[0:4] = 9
+        c.copy(Site.GATHER2, a[0:2], b[2:4])  # eager D2D from a staged dst
+        model_a[0:2] = model_b[2:4]
+        c.copy(Site.POS, a[6:8], np.full(2, 11, np.int32))  # overwrite a staged D2D source
+        model_a[6:8] = 11
+    assert env.to_host(a).tolist() == model_a.tolist()
+    assert env.to_host(b).tolist() == model_b.tolist()
+    assert c.stats.eager_flushes >= 3
+
+
+def test_identical_range_is_replaced_in_place(env):
+    c = env.copier(PLAN)
+    a = env.empty((8,))
+    with c.step():
+        for v in range(5):
+            c.copy(Site.POS, a, np.full(8, v, np.int32))
+    assert env.to_host(a).tolist() == [4] * 8
+    assert c.stats.eager_flushes == 0 and c.stats.segments == 1
+    assert c.stats.sites[Site.POS].merged == 5
+
+
+def test_slot_overflow_runs_eagerly_then_the_ring_grows(env):
+    c = env.copier(PLAN, slots=2, capacity=4096)
+    big = [env.empty((512,)) for _ in range(6)]  # 2 KiB each: the step needs ~12 KiB
+    for step in range(4):
+        with c.step():
+            for i, arr in enumerate(big):
+                c.copy(Site.POS, arr, np.full(512, step * 10 + i, np.int32))
+        for i, arr in enumerate(big):
+            assert env.to_host(arr).tolist() == [step * 10 + i] * 512
+        if step == 0:
+            assert c.stats.sites[Site.POS].fallback["slot_full"] > 0
+            full0 = c.stats.sites[Site.POS].fallback["slot_full"]
+    assert c.stats.sites[Site.POS].fallback["slot_full"] == full0  # later steps fit
+    assert c._ring.pinned_bytes() >= 2 * 12 * 1024
+
+
+def test_layouts_that_cannot_merge_run_eagerly(env):
+    c = env.copier(PLAN)
+    a = env.empty((6, 4))
+    with c.step():
+        c.copy(Site.POS, a.T, np.arange(24, dtype=np.int32).reshape(4, 6))
+        assert c.staged == 0
+    assert env.to_host(a).T.tolist() == np.arange(24).reshape(4, 6).tolist()
+    assert c.stats.sites[Site.POS].fallback["layout"] == 1
+
+
+def test_copy_outside_a_step_is_eager_and_snapshotted(env):
+    c = env.copier(PLAN)
+    a = env.empty((4,))
+    src = env.pinned((4,))
+    with env.hold(env.default_stream):
+        src[:] = 6
+        assert c.copy(Site.POS, a, src) is True
+        src[:] = 0
+        assert c.staged == 0
+    assert env.to_host(a).tolist() == [6] * 4
+    assert c.stats.sites[Site.POS].fallback["outside_step"] == 1
+
+
+def test_module_level_routing(env):
+    c = env.copier(PLAN)
+    a, b = env.empty((4,)), env.empty((4,))
+    with c.activate():
+        assert cc.active_copier() is c
+        with c.step():
+            cc.copy(Site.POS, a, np.full(4, 3, np.int32))
+            cc.fill_tail(Site.TAIL, b, 2, 4)
+            assert c.staged == 2
+            cc.flush()
+            assert c.staged == 0
+    assert cc.active_copier() is None
+    assert env.to_host(a).tolist() == [3] * 4 and env.to_host(b).tolist() == [0, 0, 4, 4]
+    # no active copier: a plain (still snapshotted) async copy
+    src = np.full(4, 8, np.int32)
+    assert cc.copy(Site.POS, a, src) is True
+    src[:] = 0
+    assert env.to_host(a).tolist() == [8] * 4
+
+
+def test_fill_tail_rules(env):
+    c = env.copier(PLAN)
+    t = env.empty((3, 4))
+    with c.step():
+        assert c.fill_tail(Site.TAIL, t[:, :3], 4, -1) is True  # tail of a 2-D view
+        assert c.fill_tail(Site.TAIL, t, 12, 5) is False  # empty tail
+    want = np.zeros((3, 4), np.int32)
+    want[:, :3].reshape(-1)  # noqa: B018 (the flattened view's elements 4: are rows 1.. col 1..)
+    flat = want[:, :3].copy().reshape(-1)
+    flat[4:] = -1
+    want[:, :3] = flat.reshape(3, 3)
+    assert env.to_host(t).tolist() == want.tolist()
+    with pytest.raises(ValueError, match=r"Site.TAIL: fill value 300 does not fit dtype int8"):
+        c.fill_tail(Site.TAIL, env.empty((4,), np.int8), 0, 300)
+
+
+def test_d2d_between_views(env):
+    c = env.copier(PLAN)
+    src = env.asarray(np.arange(20, dtype=np.int32).reshape(4, 5))
+    dst = env.empty((4, 3))
+    with c.step():
+        c.copy(Site.GATHER, dst, src[:, 1:4])
+        c.copy(Site.GATHER, env.empty((2,)), src[0, :2])
+    assert env.to_host(dst).tolist() == np.arange(20).reshape(4, 5)[:, 1:4].tolist()
+    assert c.stats.sites[Site.GATHER].merged == 2
+
+
+@pytest.mark.parametrize("mode", ["dma", "mapped", "auto"])
+def test_flush_modes_agree(env, mode):
+    c = env.copier(PLAN, flush_mode=mode)
+    a = env.empty((3000,))
+    with c.step():
+        c.copy(Site.POS, a[:10], np.arange(10, dtype=np.int32))
+        c.copy(Site.LENS, a[100:], np.arange(2900, dtype=np.int32))
+    got = env.to_host(a)
+    assert got[:10].tolist() == list(range(10)) and got[100:].tolist() == list(range(2900))
+
+
+def test_bad_input_names_the_site_and_keeps_staged_copies(env):
+    c = env.copier(PLAN)
+    a = env.empty((4,))
+    with c.step():
+        c.copy(Site.POS, a, np.full(4, 1, np.int32))
+        with pytest.raises(ValueError, match="Site.GATHER: D2D site needs a device source"):
+            c.copy(Site.GATHER, a, np.zeros(4, np.int32))
+        with pytest.raises(ValueError, match="Site.LENS: H2D site needs a host source"):
+            c.copy(Site.LENS, a, env.empty((4,)))
+        with pytest.raises(TypeError, match="Site.LENS: dtype mismatch"):
+            c.copy(Site.LENS, a, np.zeros(4, np.int64))
+        with pytest.raises(ValueError, match="Site.LENS: size mismatch: dst has 4 elements"):
+            c.copy(Site.LENS, a, np.zeros(5, np.int32))
+        with pytest.raises(ValueError, match="Site.LENS: destination must be device memory"):
+            c.copy(Site.LENS, np.zeros(4, np.int32), np.zeros(4, np.int32))
+        with pytest.raises(ValueError, match="Site.TAIL: copy\\(\\) does not take a FILL site"):
+            c.copy(Site.TAIL, a, np.zeros(4, np.int32))
+        with pytest.raises(TypeError, match="site: expected a CopySite member, got 'POS'"):
+            c.copy("POS", a, np.zeros(4, np.int32))
+        assert c.staged == 1
+    assert env.to_host(a).tolist() == [1] * 4
+    c.close()
+    with pytest.raises(cc.CopyError, match="Site.POS: the copier is closed"):
+        c.copy(Site.POS, a, np.zeros(4, np.int32))
+
+
+def test_capture_issues_plain_copies_and_refuses_unchanged(env):
+    stream = env.stream()
+    c = env.copier(PLAN, stream=stream)
+    a, t = env.empty((4,)), env.empty((4,))
+    src = env.pinned((4,))
+    with env.capture(stream) as graph:
+        with c.step():
+            c.copy(Site.POS, a, src)
+            c.fill_tail(Site.TAIL, t, 1, 6)
+            with pytest.raises(ValueError, match="Site.LENS: unchanged=True is refused during"):
+                c.copy(Site.LENS, a, src, unchanged=True)
+            with pytest.raises(ValueError, match="Site.POS: during graph capture an H2D source "
+                                                 "must be pinned"):
+                c.copy(Site.POS, a, np.zeros(4, np.int32))
+    assert c.stats.sites[Site.POS].fallback["capture"] == 1
+    for v in (3, 4):
+        src[:] = v  # the graph re-reads its source at each replay
+        graph.replay(stream)
+        assert env.to_host(a).tolist() == [v] * 4
+    assert env.to_host(t).tolist() == [0, 6, 6, 6]
+
+
+def test_randomized_steps_against_a_numpy_model(sim_env):
+    env = sim_env
+    rng = np.random.default_rng(7)
+    c = env.copier(PLAN, slots=3, capacity=8192)
+    n = 256
+    arrs = [env.empty((n,)) for _ in range(3)]
+    model = [np.zeros(n, np.int32) for _ in range(3)]
+    host = env.pinned((n,))
+    sites_h2d = [Site.POS, Site.LENS, Site.TABLE, Site.PLAIN]
+    for _ in range(120):
+        with c.step():
+            for _ in range(rng.integers(1, 12)):
+                k = rng.integers(0, 3)
+                lo = int(rng.integers(0, n - 1))
+                hi = int(rng.integers(lo + 1, min(n, lo + 80) + 1))
+                op = rng.integers(0, 3)
+                if op == 0:
+                    vals = rng.integers(-1000, 1000, hi - lo).astype(np.int32)
+                    host[: hi - lo] = vals
+                    c.copy(sites_h2d[rng.integers(0, 4)], arrs[k][lo:hi], host[: hi - lo])
+                    host[:] = 0
+                    model[k][lo:hi] = vals
+                elif op == 1:
+                    j = (k + 1) % 3
+                    slo = int(rng.integers(0, n - (hi - lo) + 1))
+                    c.copy(Site.GATHER, arrs[k][lo:hi], arrs[j][slo : slo + hi - lo])
+                    model[k][lo:hi] = model[j][slo : slo + hi - lo]
+                else:
+                    v = int(rng.integers(-5, 5))
+                    c.fill_tail(Site.TAIL, arrs[k][lo:hi], 0, v)
+                    model[k][lo:hi] = v
+        for k in range(3):
+            assert env.to_host(arrs[k]).tolist() == model[k].tolist()
+
+
+def test_import_cucopy_imports_no_framework():
+    code = (
+        "import sys, numpy as np, cucopy as cc\n"
+        "from cucopy.backends.sim import SimDevice\n"
+        "class S(cc.CopySite):\n    A = cc.H2D\n"
+        "d = SimDevice(); a = d.empty((4,), np.int32)\n"
+        "c = cc.DeviceCopier(cc.CopyPlan(merge={S.A}), device=d, backend='sim')\n"
+        "with c.step(): c.copy(S.A, a, np.ones(4, np.int32))\n"
+        "bad = [m for m in ('torch', 'cupy', 'jax', 'jaxlib') if m in sys.modules]\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
