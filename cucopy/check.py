@@ -68,14 +68,19 @@ def expect_landed(site, dst) -> None:
         also when check mode is off (the check would silently do nothing).
     """
     if not CHECK_MODE:
-        raise CopyError(f"{_label(site)}: expect_landed needs check mode (CUCOPY_CHECK=1, or "
-                        "patch cucopy.check.CHECK_MODE)")
+        raise CopyError(
+            f"{_label(site)}: expect_landed needs check mode (CUCOPY_CHECK=1, or "
+            "patch cucopy.check.CHECK_MODE)"
+        )
     info = resolve(dst)
     lo, hi = _layout.extent(info.ptr, info.shape, info.strides, info.dtype.itemsize)
     for copier in list(_live):
         for e in copier._entries:
-            if e.lo < hi and lo < e.hi and (info.device is copier.backend.device
-                                            or info.device == copier.backend.device):
+            if (
+                e.lo < hi
+                and lo < e.hi
+                and (info.device is copier.backend.device or info.device == copier.backend.device)
+            ):
                 raise CopyError(
                     f"{_label(e.site)}: bytes merged into {info.label} are still staged where "
                     f"{_label(site)} expects them landed; make {_label(e.site)} a flush_after "
@@ -97,7 +102,9 @@ class _Snap:
 
     def read(self, backend, stream) -> np.ndarray:
         if self.data is None:
-            raw = backend.read(self.buf.ptr, self.hi - self.lo, stream) if self.hi > self.lo else b""
+            raw = (
+                backend.read(self.buf.ptr, self.hi - self.lo, stream) if self.hi > self.lo else b""
+            )
             self.data = np.frombuffer(raw, np.uint8).copy()
             self.buf.close()
         return self.data
@@ -106,7 +113,9 @@ class _Snap:
 def _elements(buf: np.ndarray, lo: int, ptr: int, shape, strides, itemsize) -> np.ndarray:
     """The element bytes of a view, in C order, from extent bytes starting at ``lo``."""
     view = np.lib.stride_tricks.as_strided(
-        buf[ptr - lo :], shape=tuple(shape) + (itemsize,), strides=tuple(strides) + (1,),
+        buf[ptr - lo :],
+        shape=tuple(shape) + (itemsize,),
+        strides=tuple(strides) + (1,),
         writeable=False,
     )
     return view.reshape(-1, itemsize)
@@ -162,8 +171,10 @@ class Checker:
 
     def before_flush(self, entries) -> None:
         """Right before a segment lands: compare each merged range with its call snapshot."""
-        afters = [(e, self.snap(e.lo, e.hi), self.snap(e.slo, e.shi) if e.ssnap else None)
-                  for e in entries]
+        afters = [
+            (e, self.snap(e.lo, e.hi), self.snap(e.slo, e.shi) if e.ssnap else None)
+            for e in entries
+        ]
         for e, after, safter in afters:
             before = e.snap.read(self.backend, self.stream)
             now = after.read(self.backend, self.stream)
@@ -211,8 +222,9 @@ def _overlay(buf, lo, hi, staged, backend, stream) -> None:
                     o = src + r * spitch - e.slo
                     row = sb[o : o + width]
                 else:
-                    row = np.frombuffer(int(value).to_bytes(8, "little")[:elem] * (width // elem),
-                                        np.uint8)
+                    row = np.frombuffer(
+                        int(value).to_bytes(8, "little")[:elem] * (width // elem), np.uint8
+                    )
                 x0, x1 = max(a, lo), min(b, hi)
                 buf[x0 - lo : x1 - lo] = row[x0 - a : x1 - a]
 
@@ -280,5 +292,10 @@ def verify_bytes(backend, stream, site, d, want: np.ndarray, start: int = 0) -> 
     lo, hi = _layout.extent(d.ptr, d.shape, d.strides, it)
     buf = _Snap(backend, stream, lo, hi).read(backend, stream)
     got = _elements(buf, lo, d.ptr, d.shape, d.strides, it)[start:]
-    _first_diff(site, "skipped upload into", d, got,
-                np.asarray(want).reshape(-1).view(np.uint8).reshape(-1, it))
+    _first_diff(
+        site,
+        "skipped upload into",
+        d,
+        got,
+        np.asarray(want).reshape(-1).view(np.uint8).reshape(-1, it),
+    )

@@ -91,8 +91,20 @@ class _RangeSet:
 class _Entry:
     """One staged descriptor's bookkeeping (site, drop callbacks, ranges, check data)."""
 
-    __slots__ = ("site", "on_drop", "lo", "hi", "slo", "shi", "index", "geom", "data", "snap",
-                 "ssnap", "value")
+    __slots__ = (
+        "site",
+        "on_drop",
+        "lo",
+        "hi",
+        "slo",
+        "shi",
+        "index",
+        "geom",
+        "data",
+        "snap",
+        "ssnap",
+        "value",
+    )
 
     def __init__(self, site, on_drop, lo, hi, index):
         self.site = site
@@ -139,8 +151,16 @@ class DeviceCopier:
         On a bad ``slots``, ``capacity`` or ``flush_mode``.
     """
 
-    def __init__(self, plan: CopyPlan | None = None, stream=None, device=None, backend=None,
-                 slots: int = 4, capacity: int = 1 << 20, flush_mode: str = "auto"):
+    def __init__(
+        self,
+        plan: CopyPlan | None = None,
+        stream=None,
+        device=None,
+        backend=None,
+        slots: int = 4,
+        capacity: int = 1 << 20,
+        flush_mode: str = "auto",
+    ):
         if plan is None:
             plan = _EMPTY_PLAN
         if not isinstance(plan, CopyPlan):
@@ -209,8 +229,10 @@ class DeviceCopier:
         return len(self._entries)
 
     def __repr__(self) -> str:
-        return (f"DeviceCopier({self._backend.describe()}, slots={self._ring.slots}, "
-                f"flush_mode={self.flush_mode!r}, staged={len(self._entries)})")
+        return (
+            f"DeviceCopier({self._backend.describe()}, slots={self._ring.slots}, "
+            f"flush_mode={self.flush_mode!r}, staged={len(self._entries)})"
+        )
 
     # -- lifetime ---------------------------------------------------------------------
 
@@ -240,8 +262,10 @@ class DeviceCopier:
             raise CopyError(f"{who}the copier is closed")
         if self._in_step and self._owner != threading.get_ident():
             who = f"{_label(site)}: " if site is not None else ""
-            raise CopyError(f"{who}this copier's step belongs to another thread; use one copier "
-                            "per thread (activate() keeps them apart)")
+            raise CopyError(
+                f"{who}this copier's step belongs to another thread; use one copier "
+                "per thread (activate() keeps them apart)"
+            )
 
     # -- steps ------------------------------------------------------------------------
 
@@ -349,27 +373,34 @@ class DeviceCopier:
     def _dst(self, site, dst) -> ArrayInfo:
         info = resolve(dst, self._handle)
         if info.device is None:
-            raise ValueError(f"{_label(site)}: destination must be device memory, got host "
-                             f"memory {info.label}")
+            raise ValueError(
+                f"{_label(site)}: destination must be device memory, got host memory {info.label}"
+            )
         if info.readonly:
             raise TypeError(f"{_label(site)}: {readonly_hint(info.label)}")
         if info.device is not self._backend.device and info.device != self._backend.device:
-            raise ValueError(f"{_label(site)}: destination {info.label} is not on this copier's "
-                             f"device {self._backend.describe()}")
+            raise ValueError(
+                f"{_label(site)}: destination {info.label} is not on this copier's "
+                f"device {self._backend.describe()}"
+            )
         return info
 
     def _src(self, site, src, direction) -> ArrayInfo:
         info = resolve(src, self._handle)
         if direction is _H2D:
             if info.device is not None:
-                raise ValueError(f"{_label(site)}: H2D site needs a host source, got device "
-                                 f"array {info.label}")
+                raise ValueError(
+                    f"{_label(site)}: H2D site needs a host source, got device array {info.label}"
+                )
         elif info.device is None:
-            raise ValueError(f"{_label(site)}: D2D site needs a device source, got host "
-                             f"array {info.label}")
+            raise ValueError(
+                f"{_label(site)}: D2D site needs a device source, got host array {info.label}"
+            )
         elif info.device is not self._backend.device and info.device != self._backend.device:
-            raise ValueError(f"{_label(site)}: source {info.label} is not on this copier's "
-                             f"device {self._backend.describe()}")
+            raise ValueError(
+                f"{_label(site)}: source {info.label} is not on this copier's "
+                f"device {self._backend.describe()}"
+            )
         return info
 
     def _site(self, site, want_fill: bool):
@@ -417,8 +448,10 @@ class DeviceCopier:
             raise TypeError(f"{site.label}: dtype mismatch: dst {d.label}, src {s.label}")
         n = d.size
         if n != s.size:
-            raise ValueError(f"{site.label}: size mismatch: dst has {n} elements ({d.label}), "
-                             f"src has {s.size} ({s.label})")
+            raise ValueError(
+                f"{site.label}: size mismatch: dst has {n} elements ({d.label}), "
+                f"src has {s.size} ({s.label})"
+            )
         if unchanged:
             return self._skip(site, d, s, None)
         if n == 0:
@@ -427,8 +460,9 @@ class DeviceCopier:
             return self._h2d(site, d, s, on_drop)
         return self._d2d(site, d, s, on_drop)
 
-    def fill_tail(self, site: CopySite, dst, start: int, value, *, unchanged: bool = False,
-                  on_drop=None) -> bool:
+    def fill_tail(
+        self, site: CopySite, dst, start: int, value, *, unchanged: bool = False, on_drop=None
+    ) -> bool:
         """Write ``value`` into elements ``start:`` of the flattened ``dst``.
 
         Parameters
@@ -468,11 +502,15 @@ class DeviceCopier:
     # -- skip --------------------------------------------------------------------------------
 
     def _skip(self, site, d, s, fill) -> bool:
-        if self._in_step and self._capturing or (
-            not self._in_step and self._backend.is_capturing(self._stream)
+        if (
+            self._in_step
+            and self._capturing
+            or (not self._in_step and self._backend.is_capturing(self._stream))
         ):
-            raise ValueError(f"{site.label}: unchanged=True is refused during graph capture "
-                             "(a replay cannot know the values are unchanged)")
+            raise ValueError(
+                f"{site.label}: unchanged=True is refused during graph capture "
+                "(a replay cannot know the values are unchanged)"
+            )
         self.stats.sites[site].skipped += 1
         if check.CHECK_MODE:
             check.verify_unchanged(self, site, d, s, fill)
@@ -493,8 +531,16 @@ class DeviceCopier:
         nbytes = f[1] * f[2]
         lo, hi = _layout.extent(d.ptr, d.shape, d.strides, d.dtype.itemsize)
         kind = pack.KIND_H2D if f[1] == 1 else pack.KIND_H2D_2D
-        e, off = self._stage(site, on_drop, lo, hi, f, nbytes, 1,
-                             lambda o: (f[0], o, 0, f[3], f[2], f[2], f[1], kind, 0, 0))
+        e, off = self._stage(
+            site,
+            on_drop,
+            lo,
+            hi,
+            f,
+            nbytes,
+            1,
+            lambda o: (f[0], o, 0, f[3], f[2], f[2], f[1], kind, 0, 0),
+        )
         if e is None:
             return self._eager_h2d(site, d, s, "slot_full")
         _snapshot(self._slot.array, off, s, nbytes)
@@ -508,14 +554,17 @@ class DeviceCopier:
     def _capture_h2d(self, site, d, s) -> bool:
         pinned = s.pinned if s.pinned is not None else self._backend.is_pinned(s.ptr)
         if not pinned:
-            raise ValueError(f"{site.label}: during graph capture an H2D source must be pinned "
-                             f"(the graph re-reads it at each replay), got pageable {s.label}")
+            raise ValueError(
+                f"{site.label}: during graph capture an H2D source must be pinned "
+                f"(the graph re-reads it at each replay), got pageable {s.label}"
+            )
         if s.host is not None and not s.host.flags.c_contiguous:
-            raise ValueError(f"{site.label}: during graph capture an H2D source must be "
-                             f"contiguous, got {s.label}")
+            raise ValueError(
+                f"{site.label}: during graph capture an H2D source must be "
+                f"contiguous, got {s.label}"
+            )
         off = 0
-        for ptr, rows, width, pitch in _layout.blocks(d.ptr, d.shape, d.strides,
-                                                      d.dtype.itemsize):
+        for ptr, rows, width, pitch in _layout.blocks(d.ptr, d.shape, d.strides, d.dtype.itemsize):
             self._backend.copy2d(True, ptr, pitch, s.ptr + off, width, width, rows, self._stream)
             off += rows * width
         st = self.stats.sites[site]
@@ -532,10 +581,8 @@ class DeviceCopier:
         host_ptr, buf, off = self._eager_space(nbytes)
         _snapshot(buf, off, s, nbytes)
         pos = 0
-        for ptr, rows, width, pitch in _layout.blocks(d.ptr, d.shape, d.strides,
-                                                      d.dtype.itemsize):
-            self._backend.copy2d(True, ptr, pitch, host_ptr + pos, width, width, rows,
-                                 self._stream)
+        for ptr, rows, width, pitch in _layout.blocks(d.ptr, d.shape, d.strides, d.dtype.itemsize):
+            self._backend.copy2d(True, ptr, pitch, host_ptr + pos, width, width, rows, self._stream)
             pos += rows * width
         self._slot.dirty = True
         st = self.stats.sites[site]
@@ -593,8 +640,10 @@ class DeviceCopier:
     def _capture_d2d(self, site, d, s) -> bool:
         pair = _pair(d, s)
         if pair is None:
-            raise ValueError(f"{site.label}: during graph capture a D2D copy needs contiguous or "
-                             f"matching 2-D layouts, got dst {d.label}, src {s.label}")
+            raise ValueError(
+                f"{site.label}: during graph capture a D2D copy needs contiguous or "
+                f"matching 2-D layouts, got dst {d.label}, src {s.label}"
+            )
         (dptr, rows, width, dpitch), (sptr, _, _, spitch) = pair
         self._backend.copy2d(False, dptr, dpitch, sptr, spitch, width, rows, self._stream)
         st = self.stats.sites[site]
@@ -607,8 +656,11 @@ class DeviceCopier:
         it = d.dtype.itemsize
         lo, hi = _layout.extent(d.ptr, d.shape, d.strides, it)
         slo, shi = _layout.extent(s.ptr, s.shape, s.strides, it)
-        if self._entries and (self._writes.overlaps(lo, hi) or self._reads.overlaps(lo, hi)
-                              or self._writes.overlaps(slo, shi)):
+        if self._entries and (
+            self._writes.overlaps(lo, hi)
+            or self._reads.overlaps(lo, hi)
+            or self._writes.overlaps(slo, shi)
+        ):
             self._order_flush()
         pair = _pair(d, s)
         be, stream = self._backend, self._stream
@@ -669,8 +721,10 @@ class DeviceCopier:
     def _capture_fill(self, site, d, start, pattern) -> bool:
         it = d.dtype.itemsize
         if it not in _FILL_ELEMS:
-            raise ValueError(f"{site.label}: during graph capture fill_tail needs 1, 2, 4 or "
-                             f"8-byte elements, got {d.label}")
+            raise ValueError(
+                f"{site.label}: during graph capture fill_tail needs 1, 2, 4 or "
+                f"8-byte elements, got {d.label}"
+            )
         self._issue_fill(d, start, pattern)
         st = self.stats.sites[site]
         st.eager += 1
@@ -705,8 +759,9 @@ class DeviceCopier:
             buf[off : off + nbytes] = np.frombuffer(pattern * count, np.uint8)
             pos = 0
             for ptr, rows, width, pitch in _flat_tail_blocks(d, start):
-                self._backend.copy2d(True, ptr, pitch, host_ptr + pos, width, width, rows,
-                                     self._stream)
+                self._backend.copy2d(
+                    True, ptr, pitch, host_ptr + pos, width, width, rows, self._stream
+                )
                 pos += rows * width
         self._slot.dirty = True
         st = self.stats.sites[site]
@@ -721,8 +776,11 @@ class DeviceCopier:
         """An eager copy outside a step, snapshotted through the current slot."""
         nbytes = d.nbytes if fill is None else (d.size - fill[0]) * d.dtype.itemsize
         slot = self._slot
-        if slot is None or (s is not None and s.device is None
-                            and slot.top - nbytes < max(slot.bottom, self._cursor)):
+        if slot is None or (
+            s is not None
+            and s.device is None
+            and slot.top - nbytes < max(slot.bottom, self._cursor)
+        ):
             self._advance()
         self._in_step = True
         try:
@@ -787,8 +845,13 @@ class DeviceCopier:
         w = self._writes
         if self._entries and (w.overlaps(lo, hi) or self._reads.overlaps(lo, hi)):
             i = self._exact.get((lo, hi))
-            if (i is not None and geom is not None and not isinstance(desc, list)
-                    and self._entries[i].geom == geom and not self._reads.overlaps(lo, hi)):
+            if (
+                i is not None
+                and geom is not None
+                and not isinstance(desc, list)
+                and self._entries[i].geom == geom
+                and not self._reads.overlaps(lo, hi)
+            ):
                 # the same destination again: the later copy replaces the staged one
                 e = self._entries[i]
                 old = e.index
@@ -855,12 +918,21 @@ class DeviceCopier:
             nblocks = pack.encode(slot.array[seg:data0], rows, data0 - seg, end - seg)
             total = end - seg
             be = self._backend
-            if self.flush_mode == "mapped" or (self.flush_mode == "auto"
-                                               and total <= self._mapped_max):
+            if self.flush_mode == "mapped" or (
+                self.flush_mode == "auto" and total <= self._mapped_max
+            ):
                 be.scatter(slot.pinned.device_ptr + seg, nblocks, self._stream, True)
             else:
-                be.copy2d(True, slot.staging.ptr + seg, total, slot.pinned.ptr + seg, total,
-                          total, 1, self._stream)
+                be.copy2d(
+                    True,
+                    slot.staging.ptr + seg,
+                    total,
+                    slot.pinned.ptr + seg,
+                    total,
+                    total,
+                    1,
+                    self._stream,
+                )
                 be.scatter(slot.staging.ptr + seg, nblocks, self._stream, False)
         except BaseException as exc:
             self._reset_segment()
@@ -872,8 +944,10 @@ class DeviceCopier:
                 pass
             if isinstance(exc, CopyError):
                 raise
-            raise CopyError(f"{_label(entries[0].site)}: flushing {len(entries)} staged copies "
-                            f"failed: {exc!r}; their on_drop callbacks ran") from exc
+            raise CopyError(
+                f"{_label(entries[0].site)}: flushing {len(entries)} staged copies "
+                f"failed: {exc!r}; their on_drop callbacks ran"
+            ) from exc
         slot.dirty = True
         slot.bottom = end
         self._cursor = end
@@ -899,8 +973,9 @@ def _pattern(site, dtype, value) -> bytes:
             if arr.dtype.kind in "biuf" and dtype.kind in "biuf" and cast != arr:
                 raise ValueError("not representable")
     except (ValueError, TypeError, OverflowError, FloatingPointError) as exc:
-        raise ValueError(f"{_label(site)}: fill value {value!r} does not fit dtype {dtype} "
-                         f"({exc})") from None
+        raise ValueError(
+            f"{_label(site)}: fill value {value!r} does not fit dtype {dtype} ({exc})"
+        ) from None
     return cast.tobytes()
 
 
@@ -964,16 +1039,19 @@ def _plain_copier(dst) -> DeviceCopier:
     if info.device is None:
         raise ValueError(f"destination must be device memory, got host memory {info.label}")
     stream = current_stream(dst)
-    key = (id(info.device), id(stream) if stream is not None and not isinstance(stream, int)
-           else stream)
+    key = (
+        id(info.device),
+        id(stream) if stream is not None and not isinstance(stream, int) else stream,
+    )
     with _plain_lock:
         c = _plain.get(key)
         if c is None or c.closed:
             from .backends import sim
 
             backend = "sim" if isinstance(info.device, sim.SimDevice) else "cuda"
-            c = DeviceCopier(None, stream=stream, device=info.device, backend=backend,
-                             slots=4, capacity=1 << 16)
+            c = DeviceCopier(
+                None, stream=stream, device=info.device, backend=backend, slots=4, capacity=1 << 16
+            )
             _plain[key] = c
     return c
 
@@ -991,8 +1069,9 @@ def copy(site: CopySite, dst, src, *, unchanged: bool = False, on_drop=None) -> 
     return c.copy(site, dst, src, unchanged=unchanged, on_drop=on_drop)
 
 
-def fill_tail(site: CopySite, dst, start: int, value, *, unchanged: bool = False,
-              on_drop=None) -> bool:
+def fill_tail(
+    site: CopySite, dst, start: int, value, *, unchanged: bool = False, on_drop=None
+) -> bool:
     """Fill a tail through the active copier, or plainly when none is active.
 
     See :meth:`DeviceCopier.fill_tail` for the parameters.

@@ -48,7 +48,9 @@ class CopyPlan:
         stray = flush_after - merge
         if stray:
             names = ", ".join(sorted(s.label for s in stray))
-            raise ValueError(f"CopyPlan: flush_after must be a subset of merge; not merged: {names}")
+            raise ValueError(
+                f"CopyPlan: flush_after must be a subset of merge; not merged: {names}"
+            )
         object.__setattr__(self, "merge", merge)
         object.__setattr__(self, "flush_after", flush_after)
 

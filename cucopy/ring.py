@@ -42,8 +42,18 @@ class Slot:
         Buffers (overflow snapshots, temporaries) freed when the slot is reused.
     """
 
-    __slots__ = ("pinned", "staging", "event", "size", "bottom", "top", "temps", "recorded",
-                 "dirty", "array")
+    __slots__ = (
+        "pinned",
+        "staging",
+        "event",
+        "size",
+        "bottom",
+        "top",
+        "temps",
+        "recorded",
+        "dirty",
+        "array",
+    )
 
     def __init__(self, backend, size: int):
         self.pinned = backend.alloc_pinned(size)

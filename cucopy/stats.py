@@ -36,8 +36,13 @@ class SiteStats:
 
     def as_dict(self) -> dict:
         """The counters as plain values."""
-        return {"merged": self.merged, "eager": self.eager, "skipped": self.skipped,
-                "fallback": dict(self.fallback), "checked": self.checked}
+        return {
+            "merged": self.merged,
+            "eager": self.eager,
+            "skipped": self.skipped,
+            "fallback": dict(self.fallback),
+            "checked": self.checked,
+        }
 
     def __repr__(self) -> str:
         return f"SiteStats({self.as_dict()})"
@@ -77,16 +82,23 @@ class CopyStats:
     def as_dict(self) -> dict:
         """Counters as plain values, sites keyed by ``Class.MEMBER``."""
         return {
-            "steps": self.steps, "segments": self.segments, "bytes_staged": self.bytes_staged,
-            "host_waits": self.host_waits, "eager_flushes": self.eager_flushes,
+            "steps": self.steps,
+            "segments": self.segments,
+            "bytes_staged": self.bytes_staged,
+            "host_waits": self.host_waits,
+            "eager_flushes": self.eager_flushes,
             "sites": {s.label: v.as_dict() for s, v in self.sites.items()},
         }
 
     def __str__(self) -> str:
-        lines = [f"steps={self.steps} segments={self.segments} bytes_staged={self.bytes_staged} "
-                 f"host_waits={self.host_waits} eager_flushes={self.eager_flushes}",
-                 f"{'site':32} {'merged':>8} {'eager':>8} {'skipped':>8} {'checked':>8}  fallback"]
+        lines = [
+            f"steps={self.steps} segments={self.segments} bytes_staged={self.bytes_staged} "
+            f"host_waits={self.host_waits} eager_flushes={self.eager_flushes}",
+            f"{'site':32} {'merged':>8} {'eager':>8} {'skipped':>8} {'checked':>8}  fallback",
+        ]
         for site, v in sorted(self.sites.items(), key=lambda kv: kv[0].label):
             fb = ", ".join(f"{k}={n}" for k, n in sorted(v.fallback.items()))
-            lines.append(f"{site.label:32} {v.merged:8} {v.eager:8} {v.skipped:8} {v.checked:8}  {fb}")
+            lines.append(
+                f"{site.label:32} {v.merged:8} {v.eager:8} {v.skipped:8} {v.checked:8}  {fb}"
+            )
         return "\n".join(lines)

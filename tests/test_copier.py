@@ -324,8 +324,9 @@ def test_capture_issues_plain_copies_and_refuses_unchanged(env):
             c.fill_tail(Site.TAIL, t, 1, 6)
             with pytest.raises(ValueError, match="Site.LENS: unchanged=True is refused during"):
                 c.copy(Site.LENS, a, src, unchanged=True)
-            with pytest.raises(ValueError, match="Site.POS: during graph capture an H2D source "
-                                                 "must be pinned"):
+            with pytest.raises(
+                ValueError, match="Site.POS: during graph capture an H2D source must be pinned"
+            ):
                 c.copy(Site.POS, a, np.zeros(4, np.int32))
     assert c.stats.sites[Site.POS].fallback["capture"] == 1
     for v in (3, 4):

@@ -126,8 +126,9 @@ class Backend:
 
     # -- work ------------------------------------------------------------------
 
-    def copy2d(self, h2d: bool, dst: int, dpitch: int, src: int, spitch: int,
-               width: int, rows: int, stream) -> None:
+    def copy2d(
+        self, h2d: bool, dst: int, dpitch: int, src: int, spitch: int, width: int, rows: int, stream
+    ) -> None:
         """Enqueue a (possibly 2-D) copy of ``rows`` rows of ``width`` bytes.
 
         ``h2d`` selects a host source (``src`` a host address, pinned memory
@@ -136,8 +137,9 @@ class Backend:
         # implemented by the backend
         raise NotImplementedError
 
-    def fill(self, dst: int, dpitch: int, width: int, rows: int, value: int, elem: int,
-             stream) -> None:
+    def fill(
+        self, dst: int, dpitch: int, width: int, rows: int, value: int, elem: int, stream
+    ) -> None:
         """Enqueue writing the ``elem``-byte pattern ``value`` over a 2-D region."""
         # implemented by the backend
         raise NotImplementedError

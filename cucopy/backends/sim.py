@@ -36,8 +36,17 @@ from ..adapters import ArrayInfo
 from ..errors import CopyError
 from .base import Backend, DeviceBuffer, PinnedBuffer
 
-__all__ = ["SimDevice", "SimArray", "SimStream", "SimEvent", "SimGraph", "SimBackend",
-           "SimDeadlock", "SimMemoryError", "default_device"]
+__all__ = [
+    "SimDevice",
+    "SimArray",
+    "SimStream",
+    "SimEvent",
+    "SimGraph",
+    "SimBackend",
+    "SimDeadlock",
+    "SimMemoryError",
+    "default_device",
+]
 
 POLICIES = ("lazy", "eager", "random")
 
@@ -110,8 +119,15 @@ class SimArray:
 
     def __cucopy_array__(self) -> ArrayInfo:
         v = self._view
-        return ArrayInfo(self.ptr, v.shape, v.strides, v.dtype, device=self.device,
-                         obj=self, label=f"SimArray(sim:{self.device.index}, {v.dtype}, shape={v.shape})")
+        return ArrayInfo(
+            self.ptr,
+            v.shape,
+            v.strides,
+            v.dtype,
+            device=self.device,
+            obj=self,
+            label=f"SimArray(sim:{self.device.index}, {v.dtype}, shape={v.shape})",
+        )
 
     def __cucopy_current_stream__(self):
         return self.device.default_stream
@@ -181,8 +197,10 @@ class SimStream:
             if not self._queue:
                 raise AssertionError("internal: waited for work that was never enqueued")
             if self._holds:
-                raise SimDeadlock(f"waited on sim stream {self.name or id(self):} while it is held: "
-                                  "on a GPU the host would hang here")
+                raise SimDeadlock(
+                    f"waited on sim stream {self.name or id(self):} while it is held: "
+                    "on a GPU the host would hang here"
+                )
             self._queue.popleft()()
 
     def launch(self, fn) -> None:
@@ -215,8 +233,10 @@ class SimStream:
     def synchronize(self) -> None:
         """Run everything queued (raises :class:`SimDeadlock` while held)."""
         if self._queue and self._holds:
-            raise SimDeadlock(f"synchronize on sim stream {self.name or id(self)} while it is held: "
-                              "on a GPU the host would hang here")
+            raise SimDeadlock(
+                f"synchronize on sim stream {self.name or id(self)} while it is held: "
+                "on a GPU the host would hang here"
+            )
         self._run(len(self._queue) + 1 << 60)
 
     @property
@@ -450,10 +470,14 @@ class SimBackend(Backend):
             return self.device.default_stream
         if isinstance(stream, SimStream):
             if stream.device is not self.device:
-                raise ValueError(f"stream: {stream!r} belongs to sim:{stream.device.index}, "
-                                 f"not {self.describe()}")
+                raise ValueError(
+                    f"stream: {stream!r} belongs to sim:{stream.device.index}, "
+                    f"not {self.describe()}"
+                )
             return stream
-        raise TypeError(f"stream: the sim backend takes a SimStream, got {type(stream).__qualname__}")
+        raise TypeError(
+            f"stream: the sim backend takes a SimStream, got {type(stream).__qualname__}"
+        )
 
     def current_stream(self):
         return self.device.default_stream
@@ -493,6 +517,7 @@ class SimBackend(Backend):
         if h2d:
             sspan = (rows - 1) * spitch + width
             if dev._pinned_at(src, sspan) is not None:
+
                 def load():
                     return np.frombuffer(ctypes.string_at(src, sspan), np.uint8)
             else:
@@ -537,8 +562,10 @@ class SimBackend(Backend):
             seg = dev._mem(segment_ptr, int(header["total_bytes"])).tobytes()
             n = int(header["ndesc"])
             if int(header["nblocks"]) != nblocks:
-                raise AssertionError(f"internal: launch of {nblocks} blocks for a segment of "
-                                     f"{int(header['nblocks'])}")
+                raise AssertionError(
+                    f"internal: launch of {nblocks} blocks for a segment of "
+                    f"{int(header['nblocks'])}"
+                )
             order = dev.rng.permutation(n)
 
             def store(addr, data):
