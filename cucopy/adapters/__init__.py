@@ -4,7 +4,9 @@
 copying. The library is found from ``type(x).__module__`` and its adapter is
 imported only then, so importing cucopy imports none of torch, cupy or jax.
 Objects that carry ``__cucopy_array__`` (the simulated device's arrays)
-describe themselves.
+describe themselves. A subclass defined elsewhere (``class MyTensor(torch.Tensor)``
+in user code) is routed by the first class in its MRO that belongs to a known
+library, so it gets the library's adapter rather than the generic DLPack one.
 """
 
 from __future__ import annotations
@@ -14,7 +16,15 @@ import math
 
 import numpy as np
 
-__all__ = ["ArrayInfo", "resolve", "stream_handle", "current_stream", "describe"]
+__all__ = [
+    "ArrayInfo",
+    "resolve",
+    "stream_handle",
+    "current_stream",
+    "describe",
+    "readonly_hint",
+    "extension_dtype",
+]
 
 
 class ArrayInfo:
@@ -36,18 +46,43 @@ class ArrayInfo:
     host : numpy.ndarray or None
         Host arrays: a NumPy view of the same bytes.
     obj : object
-        The original array, kept alive while the info is.
+        The original array, kept alive while the info is (for an array read
+        through ``__dlpack__``, a :class:`cucopy.adapters.dlpack.Exported`
+        holding the array and its capsule).
     readonly : bool
         True for immutable arrays (JAX), refused as destinations.
     label : str
-        A short description for error messages.
+        A short description for error messages. Adapters may pass a zero-argument
+        callable instead: it is called on first read (formatting a dtype costs
+        microseconds, and most infos never appear in a message).
     """
 
-    __slots__ = ("ptr", "shape", "strides", "dtype", "device", "pinned", "host", "obj",
-                 "readonly", "label")
+    __slots__ = (
+        "ptr",
+        "shape",
+        "strides",
+        "dtype",
+        "device",
+        "pinned",
+        "host",
+        "obj",
+        "readonly",
+        "_label",
+    )
 
-    def __init__(self, ptr, shape, strides, dtype, device=None, pinned=None, host=None,
-                 obj=None, readonly=False, label=""):
+    def __init__(
+        self,
+        ptr,
+        shape,
+        strides,
+        dtype,
+        device=None,
+        pinned=None,
+        host=None,
+        obj=None,
+        readonly=False,
+        label="",
+    ):
         self.ptr = ptr
         self.shape = tuple(shape)
         self.strides = tuple(strides)
@@ -57,7 +92,19 @@ class ArrayInfo:
         self.host = host
         self.obj = obj
         self.readonly = readonly
-        self.label = label
+        self._label = label
+
+    @property
+    def label(self) -> str:
+        """A short description for error messages."""
+        label = self._label
+        if not isinstance(label, str):
+            label = self._label = label()
+        return label
+
+    @label.setter
+    def label(self, value) -> None:
+        self._label = value
 
     @property
     def size(self) -> int:
@@ -85,9 +132,18 @@ def _host_label(lib: str, a) -> str:
 def _resolve_numpy(x, stream=None) -> ArrayInfo:
     if x.dtype.hasobject:
         raise TypeError(f"numpy array of dtype {x.dtype} holds Python objects, not bytes")
-    return ArrayInfo(x.__array_interface__["data"][0], x.shape, x.strides, x.dtype,
-                     device=None, pinned=None, host=x, obj=x,
-                     readonly=not x.flags.writeable, label=_host_label("numpy.ndarray", x))
+    return ArrayInfo(
+        x.__array_interface__["data"][0],
+        x.shape,
+        x.strides,
+        x.dtype,
+        device=None,
+        pinned=None,
+        host=x,
+        obj=x,
+        readonly=not x.flags.writeable,
+        label=lambda: _host_label("numpy.ndarray", x),
+    )
 
 
 def _resolve_self(x, stream=None) -> ArrayInfo:
@@ -105,6 +161,15 @@ _LIBS = {
 _by_type: dict = {np.ndarray: _resolve_numpy}
 
 
+def _library(tp) -> str | None:
+    """The adapter module for type ``tp``: its own library's, else its nearest base's."""
+    for base in tp.__mro__:
+        mod = _LIBS.get(base.__module__.split(".")[0])
+        if mod is not None:
+            return mod
+    return None
+
+
 def _lookup(tp):
     fn = _by_type.get(tp)
     if fn is not None:
@@ -114,8 +179,7 @@ def _lookup(tp):
     elif issubclass(tp, np.ndarray):
         fn = _resolve_numpy
     else:
-        lib = tp.__module__.split(".")[0]
-        mod = _LIBS.get(lib)
+        mod = _library(tp)
         if mod is not None:
             fn = importlib.import_module(mod, __name__).resolve
         elif hasattr(tp, "__cuda_array_interface__") or hasattr(tp, "__dlpack__"):
@@ -151,6 +215,9 @@ def resolve(x, stream=None) -> ArrayInfo:
     if isinstance(x, ArrayInfo):
         return x
     fn = _by_type.get(type(x)) or _lookup(type(x))
+    if fn is None and (hasattr(x, "__cuda_array_interface__") or hasattr(x, "__dlpack__")):
+        # set on the instance rather than the class: not cached by type
+        fn = importlib.import_module(".dlpack", __name__).resolve
     if fn is None:
         raise TypeError(
             f"expected an array (numpy, torch, cupy, jax, __cuda_array_interface__ or "
@@ -170,34 +237,118 @@ def describe(x) -> str:
 def stream_handle(stream) -> int:
     """Return the raw ``cudaStream_t`` of a CuPy, torch, ``__cuda_stream__`` or int stream.
 
+    Parameters
+    ----------
+    stream : int or stream object
+        A raw handle (int), an object with ``__cuda_stream__`` (the CUDA stream
+        protocol: a method returning ``(version, handle)``), a torch stream
+        (``.cuda_stream``), a CuPy stream (``.ptr``), or a cuda-python
+        ``CUstream`` (``.getPtr()``).
+
+    Returns
+    -------
+    int
+
     Raises
     ------
     TypeError
         If ``stream`` is none of those.
     """
-    if isinstance(stream, int):
+    if isinstance(stream, int) and not isinstance(stream, bool):
         return stream
     proto = getattr(stream, "__cuda_stream__", None)
     if proto is not None:
         version, handle = proto() if callable(proto) else proto
         return int(handle)
-    for attr in ("cuda_stream", "ptr", "handle"):  # torch, cupy, cuda.core
+    for attr in ("cuda_stream", "ptr", "handle"):  # torch, cupy, numba/cuda.core
         h = getattr(stream, attr, None)
-        if isinstance(h, int):
+        if isinstance(h, int) and not isinstance(h, bool):
             return h
+    get_ptr = getattr(stream, "getPtr", None)  # cuda-python CUstream / cudaStream_t
+    if callable(get_ptr):
+        return int(get_ptr())
     raise TypeError(
         f"stream: expected a CuPy or torch stream, an object with __cuda_stream__ or a "
         f"raw handle, got {type(stream).__module__}.{type(stream).__qualname__}"
     )
 
 
+def readonly_hint(label: str) -> str:
+    """Why an immutable array cannot be a destination, and what to do instead.
+
+    The copier prefixes the site: ``TypeError(f"{site}: {readonly_hint(info.label)}")``.
+
+    Parameters
+    ----------
+    label : str
+        The destination's ``ArrayInfo.label``.
+
+    Returns
+    -------
+    str
+    """
+    if label.startswith("jax."):
+        return (
+            f"{label} is immutable (a JAX array): write into a CuPy or torch buffer and "
+            f"view it from JAX with jax.dlpack.from_dlpack"
+        )
+    return f"{label} is read-only: pass a writable array as the destination"
+
+
+def extension_dtype(name: str, itemsize: int) -> np.dtype:
+    """The NumPy dtype cucopy uses for a type NumPy lacks (``bfloat16``, ``float8_*``).
+
+    ``ml_dtypes.<name>`` when ``ml_dtypes`` is importable (JAX's own choice, so
+    a torch and a JAX ``bfloat16`` compare equal); otherwise an opaque
+    structured dtype ``[(name, "V<itemsize>")]``, which has the right size,
+    equals itself and differs from every integer type. Copies are byte-exact,
+    so nothing else about the dtype matters to them.
+
+    Parameters
+    ----------
+    name : str
+        The type's name, as ``ml_dtypes`` spells it (``"bfloat16"``).
+    itemsize : int
+        Bytes per element.
+
+    Returns
+    -------
+    numpy.dtype
+    """
+    dt = _extension.get(name)
+    if dt is None:
+        try:
+            import ml_dtypes
+
+            dt = np.dtype(getattr(ml_dtypes, name))
+        except (ImportError, AttributeError):
+            dt = np.dtype([(name, f"V{itemsize}")])
+        if dt.itemsize != itemsize:
+            raise AssertionError(f"internal: {name} is {dt.itemsize} bytes, expected {itemsize}")
+        _extension[name] = dt
+    return dt
+
+
+_extension: dict = {}
+
+
 def current_stream(x):
-    """The current stream of the library that owns array ``x`` (None: backend default)."""
+    """The current stream of the library that owns array ``x``.
+
+    Parameters
+    ----------
+    x : array
+
+    Returns
+    -------
+    stream object or None
+        torch's or CuPy's current stream on ``x``'s device; None for host
+        arrays, JAX arrays and generic objects (the backend's default stream).
+    """
     fn = getattr(x, "__cucopy_current_stream__", None)
     if fn is not None:
         return fn()
-    lib = type(x).__module__.split(".")[0]
-    mod = _LIBS.get(lib)
+    mod = _library(type(x))
     if mod is None:
         return None
     return importlib.import_module(mod, __name__).current_stream(x)

@@ -68,18 +68,20 @@ class SimMemoryError(CopyError):
 class SimArray:
     """An array in simulated device memory; basic indexing returns views."""
 
-    __slots__ = ("device", "_view", "_alloc", "_base", "__weakref__")
+    __slots__ = ("device", "_view", "_alloc", "_base", "_ptr", "_info", "__weakref__")
 
     def __init__(self, device, view, alloc, base):
         self.device = device
         self._view = view
         self._alloc = alloc
         self._base = base
+        self._ptr = base + (view.__array_interface__["data"][0] - alloc.ctypes.data)
+        self._info = None
 
     @property
     def ptr(self) -> int:
         """Device address of element ``[0, ..., 0]``."""
-        return self._base + (self._view.__array_interface__["data"][0] - self._alloc.ctypes.data)
+        return self._ptr
 
     shape = property(lambda self: self._view.shape)
     dtype = property(lambda self: self._view.dtype)
@@ -118,16 +120,20 @@ class SimArray:
         return SimArray(self.device, self._view.view(dtype), self._alloc, self._base)
 
     def __cucopy_array__(self) -> ArrayInfo:
-        v = self._view
-        return ArrayInfo(
-            self.ptr,
-            v.shape,
-            v.strides,
-            v.dtype,
-            device=self.device,
-            obj=self,
-            label=f"SimArray(sim:{self.device.index}, {v.dtype}, shape={v.shape})",
-        )
+        # a view's geometry never changes, so one description serves every call
+        info = self._info
+        if info is None:
+            v = self._view
+            info = self._info = ArrayInfo(
+                self._ptr,
+                v.shape,
+                v.strides,
+                v.dtype,
+                device=self.device,
+                obj=self,
+                label=lambda: f"SimArray(sim:{self.device.index}, {v.dtype}, shape={v.shape})",
+            )
+        return info
 
     def __cucopy_current_stream__(self):
         return self.device.default_stream

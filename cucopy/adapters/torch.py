@@ -1,0 +1,198 @@
+"""torch tensors: CPU (pinned or pageable) and CUDA, described without copying.
+
+``data_ptr()`` already includes the storage offset, so views (``t[3:]``,
+``t[:, 1:3]``, ``t.T``) resolve to the address of their element 0 with their
+own strides. Dtypes NumPy lacks (``bfloat16``, the ``float8`` family) map to
+the ``ml_dtypes`` type of the same name when ``ml_dtypes`` is importable, else
+to an opaque structured dtype of the same size (see
+:func:`cucopy.adapters.extension_dtype`): copies are byte-exact, so the dtype
+only has to carry the item size and compare equal between two tensors of the
+same torch dtype, and unequal to every other one (a ``bfloat16`` tensor never
+passes for ``int16``).
+
+Refused with a ``TypeError`` that names the tensor: ``bool`` and ``complex32``
+tensors, quantized and sub-byte dtypes, sparse, nested and meta tensors,
+tensors with the lazy conjugate or negative bit set (their bytes are not their
+values), and tensors on devices other than CPU and CUDA.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from . import ArrayInfo, extension_dtype
+
+__all__ = ["resolve", "current_stream"]
+
+# torch dtype -> numpy dtype; torch.bool and complex32 are refused by request of the
+# copy contract (a bool view of integer bytes is a reinterpretation, not a value).
+_NUMPY = {
+    torch.float16: np.dtype(np.float16),
+    torch.float32: np.dtype(np.float32),
+    torch.float64: np.dtype(np.float64),
+    torch.complex64: np.dtype(np.complex64),
+    torch.complex128: np.dtype(np.complex128),
+    torch.int8: np.dtype(np.int8),
+    torch.int16: np.dtype(np.int16),
+    torch.int32: np.dtype(np.int32),
+    torch.int64: np.dtype(np.int64),
+    torch.uint8: np.dtype(np.uint8),
+}
+for _name, _np in (("uint16", np.uint16), ("uint32", np.uint32), ("uint64", np.uint64)):
+    if hasattr(torch, _name):  # torch >= 2.3
+        _NUMPY[getattr(torch, _name)] = np.dtype(_np)
+
+# dtypes NumPy lacks: resolved on first use (ml_dtypes is imported only then)
+_EXTENSION = (
+    "bfloat16",
+    "float8_e4m3fn",
+    "float8_e5m2",
+    "float8_e4m3fnuz",
+    "float8_e5m2fnuz",
+    "float8_e8m0fnu",
+)
+_EXTENSION = {getattr(torch, n): n for n in _EXTENSION if hasattr(torch, n)}
+
+# same-size integer dtype used to take a NumPy view of an extension-dtype tensor
+_VIEW_AS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _numpy_dtype(x) -> np.dtype:
+    tdt = x.dtype
+    dt = _NUMPY.get(tdt)
+    if dt is not None:
+        return dt
+    name = _EXTENSION.get(tdt)
+    if name is not None:
+        dt = extension_dtype(name, tdt.itemsize)
+        _NUMPY[tdt] = dt
+        return dt
+    if tdt is torch.bool:
+        why = "bool tensors are not supported: copy a torch.uint8 view (t.view(torch.uint8))"
+    elif tdt is getattr(torch, "complex32", None):
+        why = "complex32 has no byte-exact NumPy equivalent: use complex64"
+    elif x.is_quantized:
+        why = "quantized tensors are not supported: copy t.int_repr()"
+    else:
+        why = f"dtype {tdt} is not supported"
+    raise TypeError(f"{_label(x)}: {why}")
+
+
+def _label(x) -> str:
+    try:
+        dev = str(x.device)
+    except Exception:  # tensor subclasses without a device
+        dev = "?"
+    return f"torch.Tensor({dev}, {x.dtype}, shape={tuple(x.shape)})"
+
+
+def _refuse(x) -> None:
+    """Raise TypeError when ``x``'s bytes are not a strided array cucopy can copy."""
+    if x.layout is not torch.strided:
+        raise TypeError(f"{_label(x)}: {x.layout} tensors are not supported, only strided ones")
+    if x.is_nested:
+        raise TypeError(f"{_label(x)}: nested tensors are not supported")
+    if x.is_conj() or x.is_neg():
+        raise TypeError(
+            f"{_label(x)}: the tensor has its lazy conjugate/negative bit set, so its bytes "
+            f"are not its values: copy t.resolve_conj().resolve_neg()"
+        )
+    kind = x.device.type
+    if kind == "meta":
+        raise TypeError(f"{_label(x)}: meta tensors have no data")
+    raise TypeError(f"{_label(x)}: cucopy handles CPU and CUDA tensors, got a {kind} tensor")
+
+
+def resolve(x, stream=None) -> ArrayInfo:
+    """Describe a torch tensor without copying it.
+
+    Parameters
+    ----------
+    x : torch.Tensor
+        A strided CPU or CUDA tensor (views and tensors requiring grad included).
+    stream : optional
+        Unused: torch orders its own work; the copier orders against the stream
+        it is given.
+
+    Returns
+    -------
+    ArrayInfo
+        For a CUDA tensor ``device`` is its ordinal; for a CPU tensor ``device``
+        is None, ``pinned`` is ``x.is_pinned()`` and ``host`` a NumPy view of the
+        same bytes.
+
+    Raises
+    ------
+    TypeError
+        For an unsupported dtype (bool, complex32, quantized, sub-byte), layout
+        (sparse, nested), device (meta, mps, ...) or a tensor with its
+        conjugate/negative bit set; the message names the tensor.
+    """
+    is_cuda = x.is_cuda
+    if (
+        (not is_cuda and not x.is_cpu)
+        or x.layout is not torch.strided
+        or x.is_nested
+        or x.is_conj()
+        or x.is_neg()
+    ):
+        _refuse(x)
+    dt = _numpy_dtype(x)
+    item = dt.itemsize
+    shape = tuple(x.shape)
+    strides = tuple(s * item for s in x.stride())
+    try:
+        ptr = x.data_ptr()
+    except RuntimeError as e:  # wrapper subclasses (FakeTensor, functional) have no storage
+        raise TypeError(f"{_label(x)}: the tensor has no data pointer ({e})") from None
+    if is_cuda:
+        dev = x.get_device()
+        return ArrayInfo(
+            ptr,
+            shape,
+            strides,
+            dt,
+            device=dev,
+            pinned=None,
+            host=None,
+            obj=x,
+            readonly=False,
+            label=lambda: f"torch.Tensor(cuda:{dev}, {x.dtype}, shape={shape})",
+        )
+    t = x.detach() if x.requires_grad else x
+    if t.dtype in _EXTENSION:
+        host = t.view(_VIEW_AS[item]).numpy().view(dt)
+    else:
+        host = t.numpy()
+    pinned = x.is_pinned()
+    return ArrayInfo(
+        ptr,
+        shape,
+        strides,
+        dt,
+        device=None,
+        pinned=pinned,
+        host=host,
+        obj=x,
+        readonly=False,
+        label=lambda: (
+            f"torch.Tensor({'cpu, pinned' if pinned else 'cpu'}, {x.dtype}, shape={shape})"
+        ),
+    )
+
+
+def current_stream(x):
+    """torch's current stream on ``x``'s CUDA device, or None for a CPU tensor.
+
+    Parameters
+    ----------
+    x : torch.Tensor
+
+    Returns
+    -------
+    torch.cuda.Stream or None
+    """
+    if x.is_cuda:
+        return torch.cuda.current_stream(x.device)
+    return None
