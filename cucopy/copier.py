@@ -522,6 +522,8 @@ class DeviceCopier:
         if self._in_step and self._capturing:
             return self._capture_h2d(site, d, s)
         if not self._in_step:
+            if self._backend.is_capturing(self._stream):
+                return self._capture_h2d(site, d, s)
             return self._outside(site, d, s, None)
         f = _layout.form(d.ptr, d.shape, d.strides, d.dtype.itemsize)
         if site not in self._merge:
