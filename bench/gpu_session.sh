@@ -1,0 +1,150 @@
+#!/usr/bin/env bash
+# One session on a lent GPU machine: versions, GPU tests, compute-sanitizer on the
+# scatter kernel, backend call costs, and the full benchmark suite.
+#
+# Usage (from the repository root, with the machine's own python3; installs nothing):
+#   OUT=<dir> bash bench/gpu_session.sh
+#
+# Writes $OUT/summary.txt (each step's exit status, time and log tail; the bench's
+# tables), $OUT/bench.json (the suite's result, when it wrote one) and
+# $OUT/results.tgz (every log, the bench JSON and plots, backend_calls.json).
+# Every step has a time limit and the script keeps going past failures; all of it
+# ends within BUDGET_S seconds (default 530, under 9 minutes).
+set -u
+set -o pipefail
+cd "$(dirname "$0")/.."
+
+: "${OUT:?set OUT to the folder whose files come back}"
+PY=${PYTHON:-python3}
+BUDGET_S=${BUDGET_S:-530}
+mkdir -p "$OUT"
+work=$(mktemp -d)
+logs=$work/logs
+mkdir -p "$logs" "$work/bench"
+# keep NVLink multicast off (it can take a shared host's GPUs down)
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+
+start=$(date +%s)
+deadline=$((start + BUDGET_S))
+names=()
+codes=()
+secs=()
+
+# step NAME LIMIT_S CMD...: run CMD under `timeout`, output teed to logs/NAME.log.
+# The limit shrinks to what is left before the deadline (30 s kept for the summary).
+step() {
+    local name=$1 limit=$2
+    shift 2
+    local left=$((deadline - $(date +%s) - 30))
+    if ((left < limit)); then limit=$left; fi
+    local log=$logs/$name.log
+    if ((limit < 10)); then
+        echo "== $name: skipped, no time left" | tee "$log"
+        names+=("$name") codes+=("skip") secs+=(0)
+        return
+    fi
+    echo "== $name (limit ${limit}s): $*" | tee "$log"
+    local t0 rc
+    t0=$(date +%s)
+    timeout -k 10 "$limit" "$@" 2>&1 | tee -a "$log"
+    rc=${PIPESTATUS[0]}
+    if ((rc == 124 || rc == 137)); then echo "-- $name: TIMED OUT after ${limit}s" | tee -a "$log"; fi
+    names+=("$name") codes+=("$rc") secs+=($(($(date +%s) - t0)))
+    echo "-- $name: rc=$rc" | tee -a "$log"
+}
+
+skip() {  # skip NAME WHY
+    echo "== $1: skipped: $2" | tee "$logs/$1.log"
+    names+=("$1") codes+=("skip") secs+=(0)
+}
+
+versions() {
+    nvidia-smi || echo "nvidia-smi: not available"
+    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv || true
+    "$PY" - <<'EOF'
+import importlib, platform
+print("python", platform.python_version(), platform.platform(terse=True))
+for mod in ("numpy", "cupy", "torch", "cuda.bindings", "jax", "matplotlib", "tqdm", "pytest"):
+    try:
+        m = importlib.import_module(mod)
+        print(f"{mod:14s}", getattr(m, "__version__", "?"))
+    except Exception as e:
+        print(f"{mod:14s} unavailable: {e!r}")
+try:
+    import torch
+    print("torch.version.cuda", torch.version.cuda, "devices", torch.cuda.device_count())
+except Exception as e:
+    print("torch cuda: unavailable:", repr(e))
+try:
+    import cupy
+    rt = cupy.cuda.runtime
+    p = rt.getDeviceProperties(0)
+    print("cupy device 0:", p["name"], f"sm_{p['major']}{p['minor']}",
+          "driver", rt.driverGetVersion(), "runtime", rt.runtimeGetVersion())
+except Exception as e:
+    print("cupy device: unavailable:", repr(e))
+from cucopy.backends.cuda import gpu_available
+print("cucopy gpu_available:", gpu_available())
+EOF
+    (command -v nvcc >/dev/null && nvcc --version | tail -2) || echo "nvcc: not on PATH"
+    git rev-parse HEAD 2>/dev/null || echo "git: no commit (not a checkout)"
+}
+
+export -f versions
+export PY
+step versions 30 bash -c versions
+
+step pytest_gpu 150 "$PY" -m pytest -m gpu -q -x -p no:cacheprovider tests/
+
+sanitizer=$(command -v compute-sanitizer || true)
+if [[ ! -f bench/kernel_check.py ]]; then
+    skip memcheck "bench/kernel_check.py is absent"
+    skip racecheck "bench/kernel_check.py is absent"
+elif [[ -z "$sanitizer" ]]; then
+    skip memcheck "compute-sanitizer is not on PATH"
+    skip racecheck "compute-sanitizer is not on PATH"
+else
+    if "$PY" bench/kernel_check.py --help 2>/dev/null | grep -q -- --quick; then
+        mem_args=(--quick)
+        race_args=(--quick)
+    else  # an older kernel_check.py: a small run by hand
+        mem_args=(--segments 40 --fills 40)
+        race_args=(--segments 8 --fills 8 --batch 8)
+    fi
+    step memcheck 60 "$sanitizer" --tool memcheck --error-exitcode 99 \
+        "$PY" bench/kernel_check.py "${mem_args[@]}"
+    step racecheck 60 "$sanitizer" --tool racecheck --error-exitcode 99 \
+        "$PY" bench/kernel_check.py "${race_args[@]}"
+fi
+
+if [[ -f bench/backend_calls.py ]]; then
+    step backend_calls 60 "$PY" bench/backend_calls.py --json "$work/bench/backend_calls.json"
+else
+    skip backend_calls "bench/backend_calls.py is absent"
+fi
+
+step bench 200 "$PY" -m bench --out "$work/bench/results"
+
+# -- summary ---------------------------------------------------------------------------------
+{
+    echo "gpu_session: $(date -u +%Y-%m-%dT%H:%M:%SZ), $(($(date +%s) - start)) s in all"
+    for i in "${!names[@]}"; do
+        printf '%-14s rc=%-5s %4ss\n' "${names[$i]}" "${codes[$i]}" "${secs[$i]}"
+    done
+    for i in "${!names[@]}"; do
+        n=${names[$i]}
+        lines=15
+        [[ $n == bench ]] && lines=200
+        echo
+        echo "---- $n (last $lines lines) ----"
+        tail -n "$lines" "$logs/$n.log"
+    done
+} >"$work/summary.txt" 2>&1
+cp "$work/summary.txt" "$OUT/summary.txt"
+json=$(ls "$work"/bench/results/*.json 2>/dev/null | head -n 1)
+if [[ -n "$json" ]]; then cp "$json" "$OUT/bench.json"; fi
+tar -czf "$OUT/results.tgz" -C "$work" logs bench summary.txt
+echo
+head -n 12 "$OUT/summary.txt"
+echo "wrote summary.txt, results.tgz${json:+, bench.json} under \$OUT"

@@ -1,0 +1,332 @@
+"""Steady decode where most inputs repeat each step: DeviceCopyBuffer's skip vs always uploading.
+
+Usage:
+    python bench/skip_unchanged.py [--n 32] [--changed 0,0.125,0.5,1] [--reps 200]
+                                   [--sim] [--quick] [--json PATH]
+
+Each step offers the same N inputs (the decode-like mix of ``step_cost``); the first
+``changed x N`` of them (rounded up) take new values every step, the rest repeat the
+last step's values. Contenders:
+
+- ``cucopy_always``: every input through ``copier.copy`` (merged), changed or not;
+- ``cucopy_buffer``: every input through ``cucopy.DeviceCopyBuffer.update`` on the
+  active copier: repeated values are compared on the host and skipped;
+- ``pinned_always`` (GPU): vLLM's persistent pinned buffer per input, refilled and
+  copied with ``copy_(non_blocking=True)`` every step.
+
+Measured per changed fraction: host µs per step (the comparison is host work, so it
+counts), GPU µs per step with the stream held (GPU only), copies issued, copies +
+launches enqueued and bytes staged per step. Skipped while ``DeviceCopyBuffer`` is not implemented.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make ``bench`` and ``cucopy`` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np  # noqa: E402
+
+import cucopy as cc  # noqa: E402
+from bench import _common as common  # noqa: E402
+from bench import _device as devmod  # noqa: E402
+
+NAME = "skip_unchanged"
+DEFAULT_CHANGED = (0.0, 0.125, 0.5, 1.0)
+
+
+class _Alternating(devmod.Contender):
+    """Feeds each step's values: the changed inputs alternate between two value sets."""
+
+    flush_mode = "auto"
+
+    def __init__(self, ctx, wl, changed: int):
+        super().__init__(ctx, wl)
+        rng = np.random.default_rng(12345)
+        alt = [
+            (rng.integers(1, 1 << 30, size=v.size).astype(v.dtype) if i < changed else v)
+            for i, v in enumerate(wl.values)
+        ]
+        self._sets = (list(wl.values), alt)
+        self._k = 0
+        self.changed = changed
+        self.steps = 0
+        self.issued = 0
+
+    def next_values(self):
+        """The values of the next step."""
+        self._k ^= 1
+        self.steps += 1
+        return self._sets[self._k]
+
+    def check(self) -> str | None:
+        """Two steps into zeroed destinations (the second repeats the unchanged inputs).
+
+        Returns None when every byte landed both times, else what went wrong.
+        """
+        ctx, wl = self.ctx, self.wl
+        ctx.zero(wl.dsts)
+        for k in range(2):
+            self.step()
+            ctx.sync()
+            expect = self._sets[self._k]
+            bad = [
+                i
+                for i, (d, v) in enumerate(zip(wl.dsts, expect))
+                if not np.array_equal(ctx.to_numpy(d).view(np.uint8), v.view(np.uint8))
+            ]
+            if bad:
+                return f"step {k}: {len(bad)}/{wl.n} destinations wrong (first: input {bad[0]})"
+        return None
+
+    def work_ops(self, steps):
+        if self.copier is None:
+            return float(self.wl.n)
+        return devmod.copier_ops(self.ctx, self.copier, self.flush_mode)
+
+
+class CucopyAlways(_Alternating):
+    name = "cucopy_always"
+    description = "copier.copy for every input, changed or not (merged, flush_mode=auto)"
+
+    def __init__(self, ctx, wl, changed):
+        super().__init__(ctx, wl, changed)
+        self.copier = ctx.copier(devmod.PLAN, self.flush_mode, wl.capacity())
+        self._dsts = list(wl.dsts)
+
+    def step(self):
+        copier = self.copier
+        copy, site = copier.copy, devmod.Site.INPUT
+        with copier.step():
+            for d, v in zip(self._dsts, self.next_values()):
+                copy(site, d, v)
+        self.issued += self.wl.n
+
+
+class CucopyBuffer(_Alternating):
+    name = "cucopy_buffer"
+    description = "DeviceCopyBuffer.update per input on the active copier (skips repeats)"
+
+    def __init__(self, ctx, wl, changed):
+        super().__init__(ctx, wl, changed)
+        self.copier = ctx.copier(devmod.PLAN, self.flush_mode, wl.capacity())
+        try:
+            self._bufs = [cc.DeviceCopyBuffer(d, site=devmod.Site.INPUT) for d in wl.dsts]
+        except NotImplementedError as e:
+            self.copier.close()
+            raise devmod.Unavailable(
+                f"cucopy.DeviceCopyBuffer is not implemented yet ({e})"
+            ) from None
+
+    def step(self):
+        copier = self.copier
+        issued = 0
+        with copier.activate(), copier.step():
+            for b, v in zip(self._bufs, self.next_values()):
+                issued += bool(b.update(v))
+        self.issued += issued
+
+
+class PinnedAlways(_Alternating):
+    name = "pinned_always"
+    description = "persistent pinned buffer per input: refill + copy_, always (vLLM CpuGpuBuffer)"
+
+    def __init__(self, ctx, wl, changed):
+        super().__init__(ctx, wl, changed)
+        if ctx.torch is None:
+            raise devmod.Unavailable("needs torch with CUDA")
+        self._bufs = []
+        for (k, dt), d in zip(wl.mix, wl.dsts):
+            cpu, view = ctx.pinned(k, dt)
+            self._bufs.append((view, cpu, d, k))
+
+    def step(self):
+        for (view, cpu, gpu, n), v in zip(self._bufs, self.next_values()):
+            view[:n] = v
+            gpu[:n].copy_(cpu[:n], non_blocking=True)
+        self.issued += self.wl.n
+
+
+CONTENDERS = (CucopyAlways, CucopyBuffer, PinnedAlways)
+
+
+def run(ctx, n: int, fractions, reps: int, warmup: int, progress=None, seed: int = 0) -> dict:
+    """Measure each contender at each changed fraction.
+
+    Parameters
+    ----------
+    ctx : bench._device.Context
+    n : int
+        Inputs per step.
+    fractions : sequence of float
+        Share of the inputs that change every step.
+    reps, warmup : int
+    progress : bench._common.Progress, optional
+    seed : int
+
+    Returns
+    -------
+    dict
+        ``results`` (one row per contender and fraction), ``notes``.
+    """
+    classes = [c for c in CONTENDERS if ctx.kind == "gpu" or c is not PinnedAlways]
+    progress = progress or common.Progress(enabled=False)
+    progress.add(len(classes) * len(fractions))
+    mix = common.decode_mix(n, seed)
+    out = {
+        "config": {"n": n, "changed": list(fractions), "total_bytes": common.mix_bytes(mix)},
+        "results": [],
+        "notes": [],
+        "contenders": {c.name: c.description for c in classes},
+    }
+    wl = devmod.Workload(ctx, mix, seed)
+    skipped = set()
+    for frac in fractions:
+        changed = min(n, math.ceil(frac * n))
+        for cls in classes:
+            row = {"contender": cls.name, "changed": frac, "changed_inputs": changed}
+            notes = []
+            if cls.name in skipped:
+                progress.advance(f"{NAME} {cls.name} skipped")
+                continue
+            try:
+                c = cls(ctx, wl, changed)
+            except devmod.Unavailable as e:
+                notes.append(f"skipped: {e}")
+                skipped.add(cls.name)
+                c = None
+            except Exception as e:
+                notes.append(f"skipped: failed to set up: {e!r}")
+                c = None
+            if c is not None:
+                try:
+                    why = c.check()
+                    if why is not None:
+                        raise RuntimeError(f"correctness check failed: {why}")
+                    c.steps = c.issued = 0
+                    r = devmod.measure(ctx, c, reps, warmup)
+                    notes.extend(r.pop("notes"))
+                    row.update(r)
+                    row["issued_per_step"] = c.issued / max(1, c.steps)
+                except Exception as e:
+                    notes.append(f"measurement failed: {e!r}")
+                finally:
+                    c.close()
+            row["notes"] = notes
+            out["notes"].extend(f"changed={frac:g}: {cls.name}: {m}" for m in notes)
+            if c is not None:
+                out["results"].append(row)
+            progress.advance(f"{NAME} {cls.name} changed={frac:g}")
+    if ctx.kind == "sim":
+        out["notes"].append("simulated device: host time and stream operations only")
+    return out
+
+
+HEADER = [
+    "contender",
+    "changed",
+    "host us/step [p10-p90]",
+    "GPU us/step [p10-p90]",
+    "issued/step",
+    "ops/step",
+    "bytes staged/step",
+]
+
+
+def _num(x, digits=0) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def report(result: dict) -> str:
+    """The scenario's table and notes as text."""
+    rows = [
+        [
+            r["contender"],
+            f"{r['changed']:g} ({r['changed_inputs']})",
+            common.fmt_stat(r.get("host_us"), digits=1),
+            common.fmt_stat(r.get("gpu_us"), digits=1),
+            _num(r.get("issued_per_step"), 1),
+            _num(r.get("work_ops_per_step"), 1),
+            _num(r.get("bytes_staged_per_step")),
+        ]
+        for r in result["results"]
+    ]
+    lines = [f"N={result['config']['n']} inputs, {result['config']['total_bytes']} bytes per step"]
+    if rows:
+        lines.append(common.table(rows, HEADER))
+    lines += [f"note: {n}" for n in result["notes"]]
+    return "\n".join(lines)
+
+
+def plot(result: dict, stem: Path) -> list[Path]:
+    """``<stem>-skip_unchanged.png``: host (and GPU) µs per step vs changed fraction."""
+    plt = common.pyplot()
+    if plt is None or not result["results"]:
+        return []
+    keys = [("host_us", "host µs per step")]
+    if any(r.get("gpu_us") for r in result["results"]):
+        keys.append(("gpu_us", "GPU µs per step, stream held"))
+    fig, axes = plt.subplots(1, len(keys), figsize=(6 * len(keys), 4.5), squeeze=False)
+    for ax, (key, title) in zip(axes[0], keys):
+        for name in dict.fromkeys(r["contender"] for r in result["results"]):
+            rs = [r for r in result["results"] if r["contender"] == name and r.get(key)]
+            if not rs:
+                continue
+            ax.errorbar(
+                [r["changed"] for r in rs],
+                [r[key]["median"] for r in rs],
+                yerr=[
+                    [r[key]["median"] - r[key]["p10"] for r in rs],
+                    [r[key]["p90"] - r[key]["median"] for r in rs],
+                ],
+                marker="o",
+                capsize=3,
+                label=name,
+            )
+        ax.set_xlabel("share of inputs that change each step")
+        ax.set_title(title + " (median, p10-p90)", fontsize=10)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = Path(f"{stem}-{NAME}.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return [path]
+
+
+def main(argv=None) -> int:
+    """Run the scenario alone; print its table; optionally write JSON."""
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--n", type=int, default=32, help="inputs per step")
+    p.add_argument(
+        "--changed",
+        type=common.parse_floats,
+        default=list(DEFAULT_CHANGED),
+        help="shares of inputs that change each step",
+    )
+    common.add_run_args(p)
+    args = p.parse_args(argv)
+    ctx = devmod.make_context(args.sim, args.seed)
+    reps, warmup = common.reps_for(ctx, args)
+    prog = common.Progress(enabled=not args.no_progress)
+    try:
+        result = run(ctx, args.n, args.changed, reps, warmup, prog, args.seed)
+    finally:
+        prog.close()
+    print(report(result))
+    if args.json:
+        common.write_json(
+            Path(args.json), {"environment": common.environment(ctx), "scenarios": {NAME: result}}
+        )
+    ctx.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

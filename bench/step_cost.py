@@ -1,0 +1,234 @@
+"""Cost of one step's N tiny H2D copies, per contender: host µs per copy and GPU µs per step.
+
+Usage:
+    python bench/step_cost.py [--n 8,32,128,512] [--reps 200] [--warmup 20]
+                              [--contenders a,b,...] [--sim] [--quick] [--json PATH]
+
+Each N is a fixed, seeded decode-like mix of inputs of 16 B-8 KiB (its total is
+printed). Contenders, all on one stream in one process: chained torch
+``copy_(non_blocking=True)`` from pinned tensors, chained raw ``cudaMemcpyAsync``,
+``torch._foreach_copy_``, one ``cudaMemcpyBatchAsync``, vLLM's persistent pinned
+buffer per input, cucopy with nothing merged, and cucopy ``dma``, ``mapped`` and
+``auto``. Each contender's result is checked byte for byte once before timing.
+
+Measured:
+- host µs per copy: wall time of issuing the step / N, the stream drained first
+  (no hold), median and p10-p90 over ``--reps``;
+- GPU µs per step: CUDA events around the step, enqueued while a spin kernel stalls
+  the stream, so the interval is the step's operations running back to back, without
+  the host's launch gaps (GPU only);
+- work ops per step: copies and kernel launches enqueued (event records excluded);
+  on the simulated device also ``stream.ops`` as measured.
+
+On the simulated device only host time and operation counts are real; GPU times
+need a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make ``bench`` and ``cucopy`` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench import _common as common  # noqa: E402
+from bench import _device as devmod  # noqa: E402
+
+NAME = "step_cost"
+
+
+def run(ctx, n_list, reps: int, warmup: int, progress=None, contenders=None, seed: int = 0) -> dict:
+    """Measure every contender for every N.
+
+    Parameters
+    ----------
+    ctx : bench._device.Context
+    n_list : sequence of int
+        Copies per step.
+    reps, warmup : int
+        Timed and untimed repetitions per measurement.
+    progress : bench._common.Progress, optional
+    contenders : sequence of str, optional
+        Names to run (default: all that can run here).
+    seed : int
+
+    Returns
+    -------
+    dict
+        ``mix`` (per N: sizes and total bytes), ``results`` (one row per contender and
+        N), ``notes``.
+    """
+    classes = [c for c in devmod.ALL if contenders is None or c.name in contenders]
+    if ctx.kind == "sim":
+        classes = [c for c in classes if issubclass(c, devmod.CucopyContender)]
+    progress = progress or common.Progress(enabled=False)
+    progress.add(len(classes) * len(n_list))
+    out = {"mix": {}, "results": [], "notes": [], "contenders": {}}
+    for c in classes:
+        out["contenders"][c.name] = c.description
+    for n in n_list:
+        mix = common.decode_mix(n, seed)
+        total = common.mix_bytes(mix)
+        out["mix"][str(n)] = {
+            "total_bytes": total,
+            "bytes": [k * (4 if dt == "int32" else 8) for k, dt in mix],
+            "dtypes": [dt for _, dt in mix],
+        }
+        progress.write(f"{NAME}: N={n}: {total} bytes in {n} inputs (16 B-8 KiB, seed {seed})")
+        wl = devmod.Workload(ctx, mix, seed)
+        for cls in classes:
+            notes = []
+            c = devmod.build(cls, ctx, wl, notes)
+            row = {"contender": cls.name, "n": n, "total_bytes": total, "verified": c is not None}
+            if c is not None:
+                try:
+                    r = devmod.measure(ctx, c, reps, warmup)
+                    r["host_us_per_copy"] = common.summarize(
+                        [x / n for x in r["host_us"]["samples"]]
+                    )
+                    notes.extend(r.pop("notes"))
+                    row.update(r)
+                except Exception as e:  # report and go on with the next contender
+                    notes.append(f"measurement failed: {e!r}")
+                    row["verified"] = False
+                finally:
+                    c.close()
+            row["notes"] = notes
+            for note in notes:
+                out["notes"].append(f"N={n}: {cls.name}: {note}")
+            out["results"].append(row)
+            progress.advance(f"{NAME} N={n} {cls.name}")
+    if ctx.kind == "sim":
+        out["notes"].append(
+            "simulated device: host time and stream operations only; GPU times need a GPU"
+        )
+    return out
+
+
+def rows(result: dict) -> list[list[str]]:
+    """Table rows: contender, N, bytes, host µs/copy, GPU µs/step, ops/step."""
+    out = []
+    for r in result["results"]:
+        ops = r.get("stream_ops_per_step")
+        work = r.get("work_ops_per_step")
+        ops_txt = f"{work:.0f}" if work is not None else "-"
+        if ops is not None:
+            ops_txt += f" ({ops:.0f})"
+        out.append(
+            [
+                r["contender"],
+                str(r["n"]),
+                str(r["total_bytes"]),
+                common.fmt_stat(r.get("host_us_per_copy")) if r["verified"] else "skipped",
+                common.fmt_stat(r.get("gpu_us"), digits=1),
+                ops_txt,
+            ]
+        )
+    return out
+
+
+HEADER = ["contender", "N", "bytes", "host us/copy [p10-p90]", "GPU us/step [p10-p90]", "ops/step"]
+
+
+def report(result: dict) -> str:
+    """The scenario's table and notes as text."""
+    lines = [common.table(rows(result), HEADER)]
+    lines.append(
+        "ops/step: copies + launches enqueued per step (in parentheses: sim stream.ops, "
+        "event records included)"
+    )
+    lines += [f"note: {n}" for n in result["notes"]]
+    return "\n".join(lines)
+
+
+def plot(result: dict, stem: Path) -> list[Path]:
+    """``<stem>-step_cost.png``: host µs per copy, GPU µs per step and ops per step vs N."""
+    plt = common.pyplot()
+    if plt is None:
+        return []
+    by = {}
+    for r in result["results"]:
+        if r["verified"]:
+            by.setdefault(r["contender"], []).append(r)
+    has_gpu = any(r.get("gpu_us") for rs in by.values() for r in rs)
+    panels = [("host_us_per_copy", "host µs per copy (median, p10-p90)")]
+    if has_gpu:
+        panels.append(("gpu_us", "GPU µs per step, stream held (median, p10-p90)"))
+    panels.append(("work_ops_per_step", "copies + launches per step"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.5), squeeze=False)
+    for ax, (key, title) in zip(axes[0], panels):
+        for name, rs in by.items():
+            xs, ys, lo, hi = [], [], [], []
+            for r in rs:
+                v = r.get(key)
+                if v is None:
+                    continue
+                if isinstance(v, dict):
+                    if v.get("median") is None:
+                        continue
+                    xs.append(r["n"])
+                    ys.append(v["median"])
+                    lo.append(v["median"] - v["p10"])
+                    hi.append(v["p90"] - v["median"])
+                else:
+                    xs.append(r["n"])
+                    ys.append(v)
+                    lo.append(0)
+                    hi.append(0)
+            if xs:
+                ax.errorbar(xs, ys, yerr=[lo, hi], marker="o", capsize=3, label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ns = sorted({r["n"] for rs in by.values() for r in rs})
+        ax.set_xticks(ns, [str(n) for n in ns])
+        ax.set_xlabel("copies per step (N)")
+        ax.set_title(title, fontsize=10)
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    path = Path(f"{stem}-{NAME}.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return [path]
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    """This scenario's options."""
+    p.add_argument("--n", type=common.parse_ints, default=None, help="copies per step, e.g. 8,32")
+    p.add_argument(
+        "--contenders",
+        type=lambda s: [t for t in s.split(",") if t],
+        default=None,
+        help="names to run: " + ",".join(c.name for c in devmod.ALL),
+    )
+
+
+def main(argv=None) -> int:
+    """Run the scenario alone; print its table; optionally write JSON."""
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add_args(p)
+    common.add_run_args(p)
+    args = p.parse_args(argv)
+    ctx = devmod.make_context(args.sim, args.seed)
+    reps, warmup = common.reps_for(ctx, args)
+    n_list = args.n or (common.QUICK_N if args.quick else common.DEFAULT_N)
+    prog = common.Progress(enabled=not args.no_progress)
+    try:
+        result = run(ctx, n_list, reps, warmup, prog, args.contenders, args.seed)
+    finally:
+        prog.close()
+    print(report(result))
+    if args.json:
+        common.write_json(
+            Path(args.json), {"environment": common.environment(ctx), "scenarios": {NAME: result}}
+        )
+    ctx.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,121 @@
+"""The benchmark suite runs end to end on the simulated device (``python -m bench --quick``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # ``bench`` is a folder of scripts, not an installed package
+    sys.path.insert(0, str(REPO))
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    """One ``python -m bench --quick --sim`` run into a fresh directory: (process, JSON)."""
+    out = tmp_path_factory.mktemp("bench")
+    env = dict(os.environ, CUCOPY_NO_GPU="1", PYTHONUNBUFFERED="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench", "--quick", "--sim", "--no-progress", "--out", str(out)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    files = sorted(out.glob("*-sim.json"))
+    doc = json.loads(files[0].read_text()) if files else None
+    return proc, doc, out
+
+
+def test_quick_run_succeeds_and_writes_json(quick_run):
+    proc, doc, _ = quick_run
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert doc is not None, f"no JSON written; output:\n{proc.stdout}\n{proc.stderr}"
+    assert {"schema", "created", "device", "environment", "config", "scenarios", "notes"} <= set(
+        doc
+    )
+    assert doc["device"] == "sim"
+    env = doc["environment"]
+    assert {"python", "numpy", "cucopy", "packages"} <= set(env)
+    assert {"commit", "dirty"} <= set(env["cucopy"])
+    assert doc["config"]["quick"] is True
+    assert "step_cost" in doc["scenarios"]
+    assert any("GPU times need a GPU" in n for n in doc["notes"])
+
+
+def test_step_cost_rows_have_samples_and_stats(quick_run):
+    _, doc, _ = quick_run
+    sc = doc["scenarios"]["step_cost"]
+    assert set(sc["mix"]) == {"8", "32"}
+    assert sc["mix"]["32"]["total_bytes"] == sum(sc["mix"]["32"]["bytes"])
+    names = {r["contender"] for r in sc["results"]}
+    assert {"cucopy_chained", "cucopy_dma", "cucopy_mapped", "cucopy_auto"} <= names
+    for r in sc["results"]:
+        assert r["verified"], r
+        host = r["host_us_per_copy"]
+        assert host["n"] == doc["config"]["reps"] == len(host["samples"])
+        assert host["p10"] <= host["median"] <= host["p90"]
+        assert r["gpu_us"] is None  # no GPU time on the simulated device
+
+
+def test_cucopy_enqueues_fewer_ops_than_chained(quick_run):
+    _, doc, _ = quick_run
+    rows = {(r["contender"], r["n"]): r for r in doc["scenarios"]["step_cost"]["results"]}
+    for n in (8, 32):
+        chained = rows["cucopy_chained", n]
+        assert chained["work_ops_per_step"] == n
+        for mode in ("cucopy_dma", "cucopy_mapped", "cucopy_auto"):
+            merged = rows[mode, n]
+            assert merged["segments_per_step"] == 1
+            assert merged["stream_ops_per_step"] < chained["stream_ops_per_step"]
+            assert merged["work_ops_per_step"] < chained["work_ops_per_step"]
+        assert rows["cucopy_mapped", n]["work_ops_per_step"] == 1
+        assert rows["cucopy_dma", n]["work_ops_per_step"] == 2
+
+
+def test_tables_printed(quick_run):
+    proc, _, _ = quick_run
+    assert "== step_cost ==" in proc.stdout
+    assert "cucopy_chained" in proc.stdout and "host us/copy" in proc.stdout
+
+
+def test_plots_written_when_matplotlib_is_installed(quick_run):
+    pytest.importorskip("matplotlib")
+    _, doc, out = quick_run
+    assert doc["plots"], doc["notes"]
+    for name in doc["plots"]:
+        assert (out / name).stat().st_size > 0
+
+
+def test_size_mix_is_fixed_and_in_range():
+    from bench._common import decode_mix, mix_bytes
+
+    assert decode_mix(32) == decode_mix(32)
+    for n in (8, 32, 128, 512):
+        mix = decode_mix(n)
+        assert len(mix) == n
+        sizes = [k * (4 if dt == "int32" else 8) for k, dt in mix]
+        assert min(sizes) >= 16 and max(sizes) <= 8192
+    assert 15_000 < mix_bytes(decode_mix(32)) < 25_000
+
+
+def test_crossover_picks_the_tail_where_dma_wins():
+    from bench.size_sweep import crossover
+
+    def pts(pairs):
+        return [
+            {"segment_bytes": 1000 * (i + 1), "dma_us": d, "mapped_us": m}
+            for i, (d, m) in enumerate(pairs)
+        ]
+
+    x = crossover(pts([(5, 3), (5, 6), (5, 4), (6, 9), (7, 12)]))
+    assert x["crossover_segment_bytes"] == 4000
+    assert x["suggested_mapped_threshold"] == 3000
+    assert crossover(pts([(1, 2), (1, 3)]))["suggested_mapped_threshold"] == 0
+    assert crossover(pts([(3, 2), (3, 1)]))["crossover_segment_bytes"] is None
