@@ -21,6 +21,7 @@ from .stats import CopyStats
 __all__ = ["DeviceCopier", "copy", "fill_tail", "flush", "active_copier"]
 
 _H2D, _D2D, _FILL = Direction.H2D, Direction.D2D, Direction.FILL
+_get_ident = threading.get_ident
 FLUSH_MODES = ("auto", "dma", "mapped")
 _EMPTY_PLAN = CopyPlan()
 _FILL_ELEMS = (1, 2, 4, 8)
@@ -370,8 +371,14 @@ class DeviceCopier:
 
     # -- validation ----------------------------------------------------------------------
 
+    def _resolve(self, site, what, x) -> ArrayInfo:
+        try:
+            return resolve(x, self._handle)
+        except TypeError as exc:
+            raise TypeError(f"{_label(site)}: {what}: {exc}") from None
+
     def _dst(self, site, dst) -> ArrayInfo:
-        info = resolve(dst, self._handle)
+        info = self._resolve(site, "dst", dst)
         if info.device is None:
             raise ValueError(
                 f"{_label(site)}: destination must be device memory, got host memory {info.label}"
@@ -386,7 +393,7 @@ class DeviceCopier:
         return info
 
     def _src(self, site, src, direction) -> ArrayInfo:
-        info = resolve(src, self._handle)
+        info = self._resolve(site, "src", src)
         if direction is _H2D:
             if info.device is not None:
                 raise ValueError(
@@ -405,7 +412,7 @@ class DeviceCopier:
 
     def _site(self, site, want_fill: bool):
         direction = getattr(site, "direction", None)
-        if not isinstance(site, CopySite) or direction is None:
+        if direction is None or not isinstance(site, CopySite):
             raise TypeError(f"site: expected a CopySite member, got {site!r}")
         if want_fill != (direction is _FILL):
             call = "fill_tail" if want_fill else "copy"
@@ -440,7 +447,8 @@ class DeviceCopier:
         TypeError, ValueError, CopyError
             Bad input, naming the site and the offending value; nothing staged is lost.
         """
-        self._live(site)
+        if self._closed or (self._in_step and self._owner != _get_ident()):
+            self._live(site)
         direction = self._site(site, False)
         d = self._dst(site, dst)
         s = self._src(site, src, direction)
@@ -530,9 +538,36 @@ class DeviceCopier:
             return self._eager_h2d(site, d, s, None)
         if f is None:
             return self._eager_h2d(site, d, s, "layout")
-        nbytes = f[1] * f[2]
-        lo, hi = _layout.extent(d.ptr, d.shape, d.strides, d.dtype.itemsize)
-        kind = pack.KIND_H2D if f[1] == 1 else pack.KIND_H2D_2D
+        ptr, rows, width, pitch = f
+        nbytes = rows * width
+        lo, hi = ptr, ptr + (rows - 1) * pitch + width  # a form's strides are positive
+        kind = pack.KIND_H2D if rows == 1 else pack.KIND_H2D_2D
+        entries = self._entries
+        # fast path: room in the slot and no overlap with anything staged
+        if self._seg >= 0 and not (
+            entries and (self._writes.overlaps(lo, hi) or self._reads.overlaps(lo, hi))
+        ):
+            off = (self._cursor + 15) & -16
+            grow = len(self._descs) + 2 - self._reserve
+            if off + nbytes + (grow * pack.DESC_BYTES + 16 if grow > 0 else 0) <= self._slot.top:
+                index = len(self._descs)
+                self._descs.append((ptr, off, 0, pitch, width, width, rows, kind, 0, 0))
+                e = _Entry(site, [on_drop] if on_drop is not None else None, lo, hi, index)
+                e.geom = f
+                self._exact[(lo, hi)] = len(entries)
+                entries.append(e)
+                self._writes.add(lo, hi)
+                host = s.host
+                try:  # a typed memoryview assignment is the cheapest byte copy from Python
+                    self._slot.mv[off : off + nbytes] = host.data.cast("B")
+                except (TypeError, ValueError, NotImplementedError, BufferError):
+                    _snapshot(self._slot.array, off, s, nbytes)
+                self._cursor = off + nbytes
+                if self._checker is not None:
+                    self._checker.on_stage(e, d, None)
+                if site in self._barriers:
+                    self._flush_segment()
+                return True
         e, off = self._stage(
             site,
             on_drop,
@@ -541,7 +576,7 @@ class DeviceCopier:
             f,
             nbytes,
             1,
-            lambda o: (f[0], o, 0, f[3], f[2], f[2], f[1], kind, 0, 0),
+            lambda o: (ptr, o, 0, pitch, width, width, rows, kind, 0, 0),
         )
         if e is None:
             return self._eager_h2d(site, d, s, "slot_full")
@@ -1033,13 +1068,18 @@ def active_copier() -> DeviceCopier | None:
     return _active.get()
 
 
-def _plain_copier(dst) -> DeviceCopier:
+def _plain_copier(dst, site=None) -> DeviceCopier:
     """A plan-less copier for ``dst``'s device and its library's current stream."""
     from .adapters import current_stream
 
-    info = resolve(dst)
+    try:
+        info = resolve(dst)
+    except TypeError as exc:
+        raise TypeError(f"{_label(site)}: dst: {exc}") from None
     if info.device is None:
-        raise ValueError(f"destination must be device memory, got host memory {info.label}")
+        raise ValueError(
+            f"{_label(site)}: destination must be device memory, got host memory {info.label}"
+        )
     stream = current_stream(dst)
     key = (
         id(info.device),
@@ -1067,7 +1107,7 @@ def copy(site: CopySite, dst, src, *, unchanged: bool = False, on_drop=None) -> 
     """
     c = _active.get()
     if c is None:
-        c = _plain_copier(dst)
+        c = _plain_copier(dst, site)
     return c.copy(site, dst, src, unchanged=unchanged, on_drop=on_drop)
 
 
@@ -1080,7 +1120,7 @@ def fill_tail(
     """
     c = _active.get()
     if c is None:
-        c = _plain_copier(dst)
+        c = _plain_copier(dst, site)
     return c.fill_tail(site, dst, start, value, unchanged=unchanged, on_drop=on_drop)
 
 

@@ -10,6 +10,8 @@ __all__ = ["CopyPlan"]
 
 
 def _members(name: str, sites: Iterable[CopySite]) -> frozenset:
+    if sites is None or isinstance(sites, (str, bytes)):
+        raise TypeError(f"CopyPlan: {name} takes a set of CopySite members, got {sites!r}")
     if isinstance(sites, CopySite):
         raise TypeError(f"CopyPlan: {name} takes a set of sites, got the single site {sites.label}")
     out = frozenset(sites)

@@ -53,6 +53,7 @@ class Slot:
         "recorded",
         "dirty",
         "array",
+        "mv",
     )
 
     def __init__(self, backend, size: int):
@@ -63,6 +64,7 @@ class Slot:
             self.pinned.close()
             raise
         self.array = self.pinned.array
+        self.mv = memoryview(self.array)
         self.event = None
         self.size = size
         self.bottom = 0
@@ -80,9 +82,10 @@ class Slot:
     def close(self) -> None:
         """Free the slot's memory."""
         self.release_temps()
+        self.mv.release()
+        self.array = self.mv = None
         self.pinned.close()
         self.staging.close()
-        self.array = None
 
 
 class StagingRing:

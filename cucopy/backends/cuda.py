@@ -1,0 +1,791 @@
+"""The backend protocol on a CUDA GPU, through CuPy's runtime and driver wrappers.
+
+Importing this module imports neither cupy nor cuda-python: :class:`CudaBackend`
+imports cupy when it is constructed, and :func:`gpu_available` tries to.
+
+Which API for which call
+------------------------
+Every call goes through ``cupy.cuda.runtime`` / ``cupy.cuda.driver``: they are
+``cpdef`` Cython functions that take plain ints and return plain ints, so one
+call costs the C call plus one Python-to-C dispatch. ``cuda.bindings`` (cuda-python)
+wraps each argument in a typed object and returns a tuple. ``bench/backend_calls.py``
+times both; on an H200 (CuPy 14.2, cuda-bindings 13.3, host µs per call, medians,
+``bench/results/backend_calls_h200.json``) CuPy won every hot call: memcpyAsync
+2.7 vs 3.1-3.4, eventRecord 0.26 vs 0.47-0.51, eventQuery 1.34 vs 1.59-1.61,
+cudaGetDevice 0.08 vs 0.32, kernel launch 4.5 vs 5.4-6.4.
+
+Kernel launches skip ``RawKernel.__call__`` (it converts each argument to a
+CuPy ``CPointer`` and needs a stream *object*; 6.4 µs with a cached
+``ExternalStream``, 9.2 µs with a new one per call): each thread keeps a
+ctypes argument block per kernel, the launch writes the fields and hands its
+address to ``cupy.cuda.driver.launchKernel`` (``cuLaunchKernel``, GIL
+released), 4.5 µs. The backend's own checks (current device, error mapping)
+add about 0.1-0.5 µs per call over the bare wrapper.
+
+Device
+------
+A backend is bound to one ordinal. Every call that depends on the current
+device checks it with ``cudaGetDevice`` (a thread-local read) and, only when
+it differs, switches for the call and switches back, so the caller's current
+device is never changed behind its back.
+
+Streams
+-------
+Streams are raw ``cudaStream_t`` ints. :meth:`CudaBackend.resolve_stream`
+turns a CuPy or torch stream, an object with ``__cuda_stream__``, or an int
+into its handle; it does not keep the object alive, so whoever passed a stream
+object (the copier) must hold it while the handle is in use. ``None`` means
+CuPy's current stream on this device (the legacy default stream, handle 0,
+unless CuPy was told otherwise), as the backend cannot know which array
+library the caller uses; the copier resolves a library's current stream
+itself where it can.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import json
+import threading
+import weakref
+from pathlib import Path
+
+import numpy as np
+
+from .. import pack
+from ..adapters import stream_handle
+from ..errors import CopyError
+from .base import Backend, DeviceBuffer, PinnedBuffer
+
+__all__ = ["CudaBackend", "gpu_available", "DEFAULT_MAPPED_THRESHOLD"]
+
+# CUDA runtime constants (ABI-stable values from driver_types.h).
+_HOST_ALLOC_PORTABLE = 0x01
+_HOST_ALLOC_MAPPED = 0x02
+_EVENT_DISABLE_TIMING = 0x02
+_H2D = 1  # cudaMemcpyHostToDevice
+_D2H = 2  # cudaMemcpyDeviceToHost
+_D2D = 3  # cudaMemcpyDeviceToDevice
+_MEMORY_TYPE_HOST = 1  # cudaMemoryTypeHost (page-locked or registered)
+_SUCCESS = 0
+_ERROR_NOT_READY = 600  # cudaErrorNotReady
+
+#: Segments of at most this many bytes are flushed ``mapped`` under
+#: ``flush_mode="auto"`` when ``crossover.json`` has no entry for the device.
+#: Provisional: a guess (a few KiB read over PCIe by one launch vs one extra
+#: memcpy), to be replaced by the crossover measured by the flush-mode bench
+#: and stored as ``{"sm_90": bytes}`` in ``cucopy/backends/crossover.json``.
+DEFAULT_MAPPED_THRESHOLD = 4096
+
+_CROSSOVER_PATH = Path(__file__).with_name("crossover.json")
+
+# The fill kernel's grid: one block per 4 KiB of a row, at most 1024 blocks.
+_FILL_BYTES_PER_BLOCK = 4096
+_FILL_MAX_BLOCKS = 1024
+
+_HOLD_TIMEOUT_S = 10.0
+_HOLD_SLOT_INTS = 4  # [release, timed_out, started, pad] per hold
+_HOLD_SLOTS = 256
+
+# The stall kernel behind CudaBackend.hold(): test support, not part of the
+# wire format, so it lives here rather than in kernels/scatter.cu. It spins on
+# a flag in mapped pinned memory and gives up after ``timeout_ns`` (read off
+# %globaltimer) so that a test that never releases cannot wedge the GPU.
+_HOLD_SOURCE = r"""
+extern "C" __global__ void cucopy_hold(volatile int* flag, unsigned long long timeout_ns)
+{
+    unsigned long long start, now;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+    flag[2] = 1;
+    __threadfence_system();
+    while (flag[0] == 0) {
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+        if (now - start > timeout_ns) {
+            flag[1] = 1;
+            __threadfence_system();
+            return;
+        }
+        __nanosleep(1000);
+    }
+}
+"""
+
+# Bound by _load() on first use, so that importing this module needs no cupy.
+_cupy = None
+_rt = None
+_drv = None
+_RuntimeError = None  # cupy.cuda.runtime.CUDARuntimeError
+_DriverError = None  # cupy.cuda.driver.CUDADriverError
+_CompileError = None  # cupy.cuda.compiler.CompileException
+_getDevice = None
+_launch = None
+
+
+class _NoSuchError(Exception):
+    pass
+
+
+def _load():
+    global _cupy, _rt, _drv, _RuntimeError, _DriverError, _CompileError, _getDevice, _launch
+    if _cupy is None:
+        import cupy
+
+        try:
+            from cupy.cuda.compiler import CompileException as _CompileError
+        except ImportError:  # moved: compile failures are then caught as plain errors
+            _CompileError = _NoSuchError
+        _rt = cupy.cuda.runtime
+        _drv = cupy.cuda.driver
+        _RuntimeError = _rt.CUDARuntimeError
+        _DriverError = _drv.CUDADriverError
+        _getDevice = _rt.getDevice
+        _launch = _drv.launchKernel
+        _cupy = cupy
+    return _cupy
+
+
+@functools.cache
+def gpu_available() -> bool:
+    """Whether CuPy imports and sees at least one CUDA device; never raises.
+
+    Returns
+    -------
+    bool
+    """
+    try:
+        return _load().cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        return False
+
+
+# -- kernel arguments --------------------------------------------------------------
+
+
+class _ScatterArgs(ctypes.Structure):
+    _fields_ = [("seg", ctypes.c_uint64)]
+
+
+class _FillArgs(ctypes.Structure):
+    _fields_ = [
+        ("dst", ctypes.c_uint64),
+        ("dpitch", ctypes.c_uint64),
+        ("width", ctypes.c_uint32),
+        ("rows", ctypes.c_uint32),
+        ("value", ctypes.c_uint64),
+        ("elem", ctypes.c_uint32),
+    ]
+
+
+class _HoldArgs(ctypes.Structure):
+    _fields_ = [("flag", ctypes.c_uint64), ("timeout_ns", ctypes.c_uint64)]
+
+
+class _Params:
+    """One kernel's argument block and the ``void*[]`` that ``cuLaunchKernel`` reads."""
+
+    __slots__ = ("args", "ptrs", "addr")
+
+    def __init__(self, struct):
+        self.args = struct()
+        base = ctypes.addressof(self.args)
+        offsets = [getattr(struct, name).offset for name, _ in struct._fields_]
+        self.ptrs = (ctypes.c_void_p * len(offsets))(*[base + off for off in offsets])
+        self.addr = ctypes.addressof(self.ptrs)
+
+
+class _Scratch(threading.local):
+    # Per thread: cuLaunchKernel reads the block during the call, with the GIL
+    # released, so a block shared between threads could be overwritten mid-launch.
+    def __init__(self, device: int):
+        self.scatter = _Params(_ScatterArgs)
+        self.fill = _Params(_FillArgs)
+        # cuLaunchKernel is a driver call: it needs a context bound to this
+        # thread, which cudaGetDevice alone does not bind (a fresh thread reads
+        # device 0 with no context). cudaSetDevice binds the primary context.
+        if _getDevice() == device and _drv.ctxGetCurrent() == 0:
+            _rt.setDevice(device)
+
+
+# -- kernels -----------------------------------------------------------------------
+
+
+class _Kernels:
+    __slots__ = ("scatter", "fill", "_keep")
+
+    def __init__(self, scatter: int, fill: int, keep):
+        self.scatter = scatter
+        self.fill = fill
+        self._keep = keep  # the RawKernels own the CUmodule the handles point into
+
+
+def _build(source: str, names, what: str, device: int) -> list:
+    """Compile ``source`` with NVRTC and return its ``RawKernel`` objects in order.
+
+    Must run with ``device`` current. The error keeps NVRTC's log.
+    """
+    cupy = _load()
+    try:
+        module = cupy.RawModule(code=source, options=("-std=c++17",))
+        kernels = [module.get_function(n) for n in names]
+        for k in kernels:
+            _ = k.kernel  # compile and load now, for this device
+    except _CompileError as e:
+        raise CopyError(f"cuda:{device}: compiling {what} failed:\n{e}") from e
+    except Exception as e:  # NVRTC missing, module load failure
+        raise CopyError(f"cuda:{device}: building {what} failed: {e}") from e
+    return kernels
+
+
+@functools.cache
+def _kernels(device: int) -> _Kernels:
+    from .. import kernels as kernel_sources
+
+    scatter, fill = _build(
+        kernel_sources.source(),
+        ("cucopy_scatter", "cucopy_fill"),
+        "cucopy/kernels/scatter.cu",
+        device,
+    )
+    return _Kernels(scatter.kernel.ptr, fill.kernel.ptr, (scatter, fill))
+
+
+@functools.cache
+def _hold_kernel(device: int):
+    (k,) = _build(_HOLD_SOURCE, ("cucopy_hold",), "the hold kernel", device)
+    return k
+
+
+def _free_pinned(ptr: int) -> None:
+    try:
+        _rt.freeHost(ptr)
+    except Exception:  # the context is gone (interpreter exit, device reset)
+        pass
+
+
+def _free_device(ptr: int, device: int) -> None:
+    try:
+        prev = _getDevice()
+        if prev != device:
+            _rt.setDevice(device)
+        try:
+            _rt.free(ptr)
+        finally:
+            if prev != device:
+                _rt.setDevice(prev)
+    except Exception:
+        pass
+
+
+class _CudaDeviceBuffer(DeviceBuffer):
+    # No __slots__: weakref.finalize needs a weak reference to the buffer.
+    pass
+
+
+# -- the backend -------------------------------------------------------------------
+
+
+class CudaBackend(Backend):
+    """The backend protocol on one CUDA device, through CuPy.
+
+    Parameters
+    ----------
+    device : int, optional
+        CUDA ordinal; ``None`` takes the current device.
+
+    Raises
+    ------
+    ImportError
+        If CuPy is not installed.
+    ValueError
+        If ``device`` is not a visible CUDA ordinal.
+    CopyError
+        If the CUDA driver cannot be used at all.
+
+    Notes
+    -----
+    Every CUDA failure surfaces as :class:`~cucopy.errors.CopyError` naming
+    the call and CUDA's error name and string, with the CUDA status code in
+    its ``status`` attribute. A failure inside a kernel is reported by the
+    next call that notices it, not by the launch that caused it.
+    """
+
+    name = "cuda"
+
+    def __init__(self, device: int | None = None):
+        _load()
+        try:
+            count = _rt.getDeviceCount()
+            if device is None:
+                device = _getDevice()
+        except _RuntimeError as e:
+            raise CopyError(f"cuda: no usable CUDA device: {e}") from e
+        if isinstance(device, bool) or not isinstance(device, int) or not 0 <= device < count:
+            raise ValueError(f"device: expected a CUDA ordinal in [0, {count}), got {device!r}")
+        self.device = device
+        self._scratch = _Scratch(device)
+        self._threshold = None
+        self._kern = None
+        self._hold_lock = threading.Lock()
+        self._hold_page = None
+        self._hold_free = []
+        self._hold_busy = []  # (slot, event) of holds whose kernel may still run
+
+    # -- plumbing ------------------------------------------------------------------
+
+    def _on_device(self, fn, *args):
+        """Call ``fn(*args)`` with this backend's device current, then restore the caller's."""
+        prev = _getDevice()
+        try:
+            _rt.setDevice(self.device)
+        except _RuntimeError as e:
+            raise self._error("cudaSetDevice", e) from e
+        try:
+            return fn(*args)
+        finally:
+            _rt.setDevice(prev)
+
+    def _error(self, call: str, err, detail: str = "") -> CopyError:
+        e = CopyError(f"{self.describe()}: {call} failed: {err}{detail}")
+        e.status = getattr(err, "status", None)
+        return e
+
+    def _get_kernels(self) -> _Kernels:
+        k = self._kern
+        if k is None:
+            k = self._kern = self._on_device(_kernels, self.device)
+        return k
+
+    # -- streams and capture -------------------------------------------------------
+
+    def resolve_stream(self, stream):
+        """Return the raw ``cudaStream_t`` for ``stream`` (``None``: :meth:`current_stream`).
+
+        Parameters
+        ----------
+        stream : None, int, cupy.cuda.Stream, torch.cuda.Stream or object
+            Objects with ``__cuda_stream__``, ``cuda_stream`` or ``ptr`` work too.
+            The object is not kept alive: the caller holds it while the handle is used.
+
+        Returns
+        -------
+        int
+
+        Raises
+        ------
+        TypeError
+            If ``stream`` is none of those.
+        ValueError
+            If a stream object says it belongs to another device.
+        """
+        if stream is None:
+            return self.current_stream()
+        handle = stream_handle(stream)
+        if not isinstance(stream, int):
+            dev = getattr(stream, "device_id", None)  # CuPy (-1: whichever is current)
+            if not isinstance(dev, int):
+                dev = getattr(stream, "device_index", None)  # torch
+            if isinstance(dev, int) and dev >= 0 and dev != self.device:
+                raise ValueError(f"stream: {stream!r} belongs to cuda:{dev}, not {self.describe()}")
+        return handle
+
+    def current_stream(self):
+        """CuPy's current stream on this device, as a raw handle."""
+        return _cupy.cuda.get_current_stream(self.device).ptr
+
+    def is_capturing(self, stream) -> bool:
+        """Whether ``stream`` is capturing a graph (an invalidated capture counts).
+
+        Raises
+        ------
+        CopyError
+            If the query itself is illegal, e.g. the legacy default stream while
+            another stream captures in global mode.
+        """
+        if _getDevice() != self.device:
+            return self._on_device(self.is_capturing, stream)
+        try:
+            return bool(_rt.streamIsCapturing(stream))
+        except _RuntimeError as e:
+            raise self._error("cudaStreamIsCapturing", e, f" (stream={stream:#x})") from e
+        except RuntimeError:  # CuPy's "capture sequence invalidated": still capturing
+            return True
+
+    def synchronize(self, stream) -> None:
+        """Block the host until ``stream`` has run everything queued on it."""
+        if _getDevice() != self.device:
+            return self._on_device(self.synchronize, stream)
+        try:
+            _rt.streamSynchronize(stream)
+        except _RuntimeError as e:
+            raise self._error("cudaStreamSynchronize", e, f" (stream={stream:#x})") from e
+
+    # -- memory --------------------------------------------------------------------
+
+    def alloc_pinned(self, nbytes: int) -> PinnedBuffer:
+        """Allocate portable, mapped page-locked memory (``cudaHostAlloc``).
+
+        The memory is freed by ``close()``, or once the buffer's NumPy array and
+        every view of it are gone. ``cudaFreeHost`` synchronizes the device:
+        free at teardown, not per step.
+        """
+        if _getDevice() != self.device:
+            return self._on_device(self.alloc_pinned, nbytes)
+        size = max(1, int(nbytes))
+        try:
+            ptr = _rt.hostAlloc(size, _HOST_ALLOC_PORTABLE | _HOST_ALLOC_MAPPED)
+        except _RuntimeError as e:
+            raise self._error("cudaHostAlloc", e, f" ({nbytes} bytes)") from e
+        try:
+            # With unified addressing this is ``ptr`` itself; ask rather than assume.
+            dptr = _rt.pointerGetAttributes(ptr).devicePointer
+        except _RuntimeError as e:
+            _rt.freeHost(ptr)
+            raise self._error("cudaPointerGetAttributes", e, f" (ptr={ptr:#x})") from e
+        raw = (ctypes.c_ubyte * size).from_address(ptr)
+        array = np.frombuffer(raw, dtype=np.uint8, count=int(nbytes))
+        # Every NumPy view leads back to ``raw``: free when the last one dies,
+        # or at close(); finalize runs once either way.
+        free = weakref.finalize(raw, _free_pinned, ptr)
+        free.atexit = False  # the process exit frees it; CUDA may be torn down first
+        return PinnedBuffer(array, ptr, dptr, free)
+
+    def alloc_device(self, nbytes: int) -> DeviceBuffer:
+        """Allocate device memory with ``cudaMalloc``.
+
+        Staging buffers live as long as the copier, so raw ``cudaMalloc`` is used
+        rather than CuPy's pool (whose blocks the pool, not us, would own and
+        which a user may have limited or swapped for its own). ``cudaFree``
+        synchronizes the device: free at teardown.
+        """
+        if _getDevice() != self.device:
+            return self._on_device(self.alloc_device, nbytes)
+        size = max(1, int(nbytes))
+        try:
+            ptr = _rt.malloc(size)
+        except _RuntimeError as e:
+            raise self._error("cudaMalloc", e, f" ({nbytes} bytes)") from e
+        buf = _CudaDeviceBuffer(ptr, int(nbytes), None)
+        free = weakref.finalize(buf, _free_device, ptr, self.device)
+        free.atexit = False
+        buf._free = free
+        return buf
+
+    def is_pinned(self, host_ptr: int) -> bool:
+        """Whether ``host_ptr`` is page-locked (``cudaHostAlloc`` or registered)."""
+        try:
+            return _rt.pointerGetAttributes(host_ptr).type == _MEMORY_TYPE_HOST
+        except _RuntimeError:  # not an address CUDA knows: pageable
+            return False
+
+    def read(self, ptr: int, nbytes: int, stream) -> bytes:
+        """Synchronize ``stream`` and copy ``nbytes`` device bytes to the host.
+
+        The copy goes on ``stream`` itself, not the legacy default stream, so a
+        stalled unrelated stream cannot block it.
+        """
+        if _getDevice() != self.device:
+            return self._on_device(self.read, ptr, nbytes, stream)
+        out = np.empty(int(nbytes), dtype=np.uint8)
+        call = "cudaStreamSynchronize"
+        try:
+            _rt.streamSynchronize(stream)
+            if nbytes:
+                call = "cudaMemcpyAsync"
+                _rt.memcpyAsync(out.ctypes.data, ptr, nbytes, _D2H, stream)
+                call = "cudaStreamSynchronize"
+                _rt.streamSynchronize(stream)
+        except _RuntimeError as e:
+            raise self._error(call, e, f" (reading {nbytes} bytes at {ptr:#x})") from e
+        return out.tobytes()
+
+    # -- work ----------------------------------------------------------------------
+
+    def copy2d(
+        self, h2d: bool, dst: int, dpitch: int, src: int, spitch: int, width: int, rows: int, stream
+    ) -> None:
+        """Enqueue ``cudaMemcpyAsync`` (one row) or ``cudaMemcpy2DAsync``."""
+        if width <= 0 or rows <= 0:
+            return
+        if _getDevice() != self.device:
+            return self._on_device(self.copy2d, h2d, dst, dpitch, src, spitch, width, rows, stream)
+        kind = _H2D if h2d else _D2D
+        try:
+            if rows == 1:
+                _rt.memcpyAsync(dst, src, width, kind, stream)
+            else:
+                _rt.memcpy2DAsync(dst, dpitch, src, spitch, width, rows, kind, stream)
+        except _RuntimeError as e:
+            call = "cudaMemcpyAsync" if rows == 1 else "cudaMemcpy2DAsync"
+            raise self._error(
+                call,
+                e,
+                f" ({'H2D' if h2d else 'D2D'} dst={dst:#x} "
+                f"dpitch={dpitch} src={src:#x} spitch={spitch} "
+                f"width={width} rows={rows})",
+            ) from e
+
+    def fill(
+        self, dst: int, dpitch: int, width: int, rows: int, value: int, elem: int, stream
+    ) -> None:
+        """Enqueue ``cucopy_fill``: the ``elem``-byte pattern ``value`` over a 2-D region.
+
+        Raises
+        ------
+        ValueError
+            If ``elem`` is not 1, 2, 4 or 8, or ``width`` is not a multiple of it.
+        """
+        if elem not in (1, 2, 4, 8) or width % elem:
+            raise ValueError(
+                f"fill: elem must be 1, 2, 4 or 8 and divide width, got elem={elem}, width={width}"
+            )
+        if width <= 0 or rows <= 0:
+            return
+        if _getDevice() != self.device:
+            return self._on_device(self.fill, dst, dpitch, width, rows, value, elem, stream)
+        fn = (self._kern or self._get_kernels()).fill
+        blocks = min(
+            _FILL_MAX_BLOCKS, rows * ((width + _FILL_BYTES_PER_BLOCK - 1) // _FILL_BYTES_PER_BLOCK)
+        )
+        p = self._scratch.fill
+        a = p.args
+        a.dst = dst
+        a.dpitch = dpitch
+        a.width = width
+        a.rows = rows
+        a.value = value & 0xFFFFFFFFFFFFFFFF
+        a.elem = elem
+        try:
+            _launch(fn, blocks, 1, 1, pack.THREADS, 1, 1, 0, stream, p.addr, 0)
+        except _DriverError as e:
+            raise self._error(
+                "cuLaunchKernel(cucopy_fill)",
+                e,
+                f" (dst={dst:#x} width={width} rows={rows} grid={blocks})",
+            ) from e
+
+    def scatter(self, segment_ptr: int, nblocks: int, stream, mapped: bool) -> None:
+        """Enqueue one ``cucopy_scatter`` launch of ``nblocks`` blocks.
+
+        ``mapped`` needs nothing different here: ``segment_ptr`` is already the
+        device address of the mapped pinned segment.
+        """
+        if nblocks <= 0:
+            return
+        if _getDevice() != self.device:
+            return self._on_device(self.scatter, segment_ptr, nblocks, stream, mapped)
+        fn = (self._kern or self._get_kernels()).scatter
+        p = self._scratch.scatter
+        p.args.seg = segment_ptr
+        try:
+            _launch(fn, nblocks, 1, 1, pack.THREADS, 1, 1, 0, stream, p.addr, 0)
+        except _DriverError as e:
+            raise self._error(
+                "cuLaunchKernel(cucopy_scatter)",
+                e,
+                f" (segment={segment_ptr:#x} grid={nblocks} {'mapped' if mapped else 'dma'})",
+            ) from e
+
+    # -- events --------------------------------------------------------------------
+
+    def event_create(self):
+        """Create an event with timing disabled; returns its raw handle."""
+        if _getDevice() != self.device:
+            return self._on_device(self.event_create)
+        try:
+            return _rt.eventCreateWithFlags(_EVENT_DISABLE_TIMING)
+        except _RuntimeError as e:
+            raise self._error("cudaEventCreateWithFlags", e) from e
+
+    def event_record(self, event, stream) -> None:
+        """Record ``event`` on ``stream``."""
+        if _getDevice() != self.device:
+            return self._on_device(self.event_record, event, stream)
+        try:
+            _rt.eventRecord(event, stream)
+        except _RuntimeError as e:
+            raise self._error(
+                "cudaEventRecord", e, f" (event={event:#x} stream={stream:#x})"
+            ) from e
+
+    def event_query(self, event) -> bool:
+        """True when the event has completed (or was never recorded); never blocks."""
+        status = _rt.eventQuery(event)
+        if status == _SUCCESS:
+            return True
+        if status == _ERROR_NOT_READY:
+            return False
+        raise self._error("cudaEventQuery", _RuntimeError(status), f" (event={event:#x})")
+
+    def event_synchronize(self, event) -> None:
+        """Block the host until the event has completed."""
+        try:
+            _rt.eventSynchronize(event)
+        except _RuntimeError as e:
+            raise self._error("cudaEventSynchronize", e, f" (event={event:#x})") from e
+
+    def event_destroy(self, event) -> None:
+        """Release an event (pending work still completes)."""
+        try:
+            _rt.eventDestroy(event)
+        except _RuntimeError as e:
+            raise self._error("cudaEventDestroy", e, f" (event={event:#x})") from e
+
+    # -- tuning --------------------------------------------------------------------
+
+    def mapped_threshold(self) -> int:
+        """Largest segment flushed ``mapped`` under ``flush_mode="auto"``, in bytes.
+
+        Read once from ``crossover.json`` (``{"sm_90": bytes}``) beside this file,
+        keyed by the device's compute capability; :data:`DEFAULT_MAPPED_THRESHOLD`
+        when the file or the key is missing.
+        """
+        t = self._threshold
+        if t is None:
+            t = self._threshold = self._load_threshold()
+        return t
+
+    def _load_threshold(self) -> int:
+        arch = "sm_" + _cupy.cuda.Device(self.device).compute_capability
+        try:
+            table = json.loads(_CROSSOVER_PATH.read_text())
+        except FileNotFoundError:
+            return DEFAULT_MAPPED_THRESHOLD
+        except (OSError, ValueError) as e:
+            raise CopyError(
+                f"{_CROSSOVER_PATH.name}: cannot read the mapped/dma crossover table: {e}"
+            ) from e
+        value = table.get(arch, DEFAULT_MAPPED_THRESHOLD) if isinstance(table, dict) else None
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise CopyError(
+                f'{_CROSSOVER_PATH.name}: expected {{"{arch}": bytes}} with a '
+                f"non-negative int, got {table!r}"
+            )
+        return value
+
+    def describe(self) -> str:
+        """``cuda:<ordinal>``."""
+        return f"cuda:{self.device}"
+
+    # -- test support --------------------------------------------------------------
+
+    def hold(self, stream, timeout: float = _HOLD_TIMEOUT_S) -> _Hold:
+        """Stall ``stream``, as a long kernel does, for the duration of a ``with`` block.
+
+        Entering the block enqueues a one-thread kernel that spins on a flag in
+        mapped pinned memory; leaving it (also by an exception) sets the flag.
+        Mirrors ``SimStream.hold()``, so test bodies can stall a stream on both
+        backends.
+
+        Parameters
+        ----------
+        stream : int or stream object
+            A handle from :meth:`resolve_stream`, or anything it takes.
+        timeout : float
+            Seconds after which the kernel gives up by itself, so a bug cannot
+            wedge the GPU. Leaving the block after that raises :class:`CopyError`.
+
+        Returns
+        -------
+        context manager
+        """
+        if not isinstance(stream, int):
+            stream = self.resolve_stream(stream)
+        return _Hold(self, stream, timeout)
+
+    def _hold_acquire(self) -> int:
+        with self._hold_lock:
+            if self._hold_page is None:
+                self._hold_page = self.alloc_pinned(_HOLD_SLOTS * _HOLD_SLOT_INTS * 4)
+                self._hold_free = list(range(_HOLD_SLOTS - 1, -1, -1))
+            busy = []
+            for slot, event in self._hold_busy:
+                if self.event_query(event):
+                    self.event_destroy(event)
+                    self._hold_free.append(slot)
+                else:
+                    busy.append((slot, event))
+            self._hold_busy = busy
+            if not self._hold_free:
+                raise CopyError(f"{self.describe()}: hold: {_HOLD_SLOTS} holds still in flight")
+            return self._hold_free.pop()
+
+    def _hold_flags(self, slot: int) -> np.ndarray:
+        flags = self._hold_page.array.view(np.int32)
+        return flags[slot * _HOLD_SLOT_INTS : (slot + 1) * _HOLD_SLOT_INTS]
+
+
+class _Hold:
+    """The context manager returned by :meth:`CudaBackend.hold`."""
+
+    __slots__ = ("_backend", "_stream", "_timeout", "_slot")
+
+    def __init__(self, backend: CudaBackend, stream, timeout: float):
+        self._backend = backend
+        self._stream = stream
+        self._timeout = float(timeout)
+        self._slot = None
+
+    @property
+    def started(self) -> bool:
+        """Whether the spinning kernel has begun running on the GPU."""
+        return self._slot is not None and bool(self._backend._hold_flags(self._slot)[2])
+
+    def __enter__(self) -> _Hold:
+        if self._slot is not None:
+            raise CopyError("hold: already entered")
+        b = self._backend
+        slot = b._hold_acquire()
+        flags = b._hold_flags(slot)
+        flags[:] = 0
+        try:
+            b._on_device(self._launch, slot)
+        except BaseException:
+            # release a kernel that may have been launched; the slot is not
+            # reused, as nothing tells when that kernel has finished with it
+            flags[0] = 1
+            raise
+        self._slot = slot
+        return self
+
+    def _launch(self, slot: int) -> None:
+        b = self._backend
+        kernel = _hold_kernel(b.device)
+        p = _Params(_HoldArgs)
+        page = b._hold_page
+        p.args.flag = page.device_ptr + slot * _HOLD_SLOT_INTS * 4
+        p.args.timeout_ns = int(self._timeout * 1e9)
+        try:
+            _launch(kernel.kernel.ptr, 1, 1, 1, 1, 1, 1, 0, self._stream, p.addr, 0)
+        except _DriverError as e:
+            raise b._error("cuLaunchKernel(cucopy_hold)", e, f" (stream={self._stream:#x})") from e
+        event = b.event_create()
+        b.event_record(event, self._stream)
+        with b._hold_lock:
+            b._hold_busy.append((slot, event))
+
+    def release(self) -> None:
+        """Let the stream run on; safe to call twice.
+
+        Raises
+        ------
+        CopyError
+            If the kernel had already given up (the stream ran on before release).
+        """
+        slot, self._slot = self._slot, None
+        if slot is None:
+            return
+        flags = self._backend._hold_flags(slot)
+        flags[0] = 1
+        if flags[1]:
+            raise CopyError(
+                f"{self._backend.describe()}: hold on stream {self._stream:#x} "
+                f"timed out after {self._timeout} s: the stream ran on before "
+                f"the block ended"
+            )
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        try:
+            self.release()
+        except CopyError:
+            if exc_type is None:
+                raise

@@ -1,0 +1,113 @@
+"""CUDA C sources of cucopy's kernels and an NVRTC front end for checking them.
+
+``scatter.cu`` holds ``cucopy_scatter`` (applies one segment, see
+:mod:`cucopy.pack`) and ``cucopy_fill``. The CUDA backend builds it with
+``cupy.RawModule(code=source(), options=("-std=c++17",))``; :func:`compile_ptx`
+compiles it with NVRTC through cuda-python, so CI (which has no GPU) can check
+that it compiles warning-free and that its structs match the wire format.
+
+Importing this module imports neither cupy nor cuda-python.
+"""
+
+from __future__ import annotations
+
+import re
+from importlib import resources
+
+__all__ = ["source", "compile_ptx", "ENTRY_POINTS", "NVRTC_OPTIONS"]
+
+#: The ``extern "C"`` kernels in ``scatter.cu``.
+ENTRY_POINTS = ("cucopy_scatter", "cucopy_fill")
+
+#: Options shared by every build of ``scatter.cu`` (the architecture is added
+#: per call). ``--display-error-number`` puts the diagnostic number in the log,
+#: so a warning can be looked up and, if ever needed, silenced by number.
+NVRTC_OPTIONS = ("-std=c++17", "--display-error-number")
+
+_WARNING = re.compile(r"\bwarning\b", re.IGNORECASE)
+
+
+def source() -> str:
+    """Return the CUDA C source of the scatter and fill kernels.
+
+    Returns
+    -------
+    str
+        The text of ``cucopy/kernels/scatter.cu``.
+    """
+    return resources.files(__name__).joinpath("scatter.cu").read_text(encoding="utf-8")
+
+
+def _nvrtc():
+    try:
+        from cuda.bindings import nvrtc
+    except ImportError:
+        from cuda import nvrtc  # cuda-python < 12.6 kept the bindings here
+    return nvrtc
+
+
+def _check(nvrtc, result, what: str, log: str = ""):
+    err, *rest = result
+    if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+        _, msg = nvrtc.nvrtcGetErrorString(err)
+        text = msg.decode() if isinstance(msg, bytes) else str(msg)
+        raise RuntimeError(f"NVRTC {what} failed: {text}" + (f"\n{log}" if log else ""))
+    return rest[0] if len(rest) == 1 else rest
+
+
+def compile_ptx(
+    arch: str = "sm_90",
+    *,
+    code: str | None = None,
+    name: str = "scatter.cu",
+    options: tuple[str, ...] = (),
+) -> str:
+    """Compile the kernels (or ``code``) to PTX with NVRTC.
+
+    Parameters
+    ----------
+    arch : str
+        Virtual or real GPU architecture for ``--gpu-architecture``, e.g.
+        ``"sm_80"`` or ``"sm_90"``.
+    code : str, optional
+        CUDA C source to compile instead of :func:`source` (tests compile the
+        kernel source with layout assertions appended).
+    name : str
+        File name NVRTC reports in its log.
+    options : tuple of str
+        Extra NVRTC options, after :data:`NVRTC_OPTIONS`.
+
+    Returns
+    -------
+    str
+        The PTX text.
+
+    Raises
+    ------
+    ImportError
+        If cuda-python is not installed.
+    RuntimeError
+        If NVRTC cannot be loaded, if compilation fails, or if the compile log
+        contains a warning; the message carries the full log.
+    """
+    nvrtc = _nvrtc()
+    text = source() if code is None else code
+    opts = [*NVRTC_OPTIONS, f"--gpu-architecture={arch}", *options]
+    prog = _check(
+        nvrtc, nvrtc.nvrtcCreateProgram(text.encode(), name.encode(), 0, [], []), "create"
+    )
+    try:
+        result = nvrtc.nvrtcCompileProgram(prog, len(opts), [o.encode() for o in opts])
+        size = _check(nvrtc, nvrtc.nvrtcGetProgramLogSize(prog), "log size")
+        buf = b" " * size
+        _check(nvrtc, nvrtc.nvrtcGetProgramLog(prog, buf), "log")
+        log = buf.rstrip(b"\x00").decode(errors="replace").strip()
+        _check(nvrtc, result, f"compile of {name} for {arch} ({' '.join(opts)})", log)
+        if _WARNING.search(log):
+            raise RuntimeError(f"NVRTC compile of {name} for {arch} produced warnings:\n{log}")
+        size = _check(nvrtc, nvrtc.nvrtcGetPTXSize(prog), "PTX size")
+        buf = b" " * size
+        _check(nvrtc, nvrtc.nvrtcGetPTX(prog, buf), "PTX")
+        return buf.rstrip(b"\x00").decode()
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)

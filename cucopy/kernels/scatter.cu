@@ -1,0 +1,500 @@
+// cucopy scatter kernel: applies one segment (header | descriptors | data) in
+// one launch. cucopy/pack.py is the one definition of the wire format; the
+// structs below mirror it and tests/test_kernel.py checks every size and
+// offset against pack.HEADER_DTYPE / pack.DESC_DTYPE by compiling
+// static_asserts with NVRTC.
+//
+// Compiles warning-free under NVRTC with -std=c++17 for sm_80 and sm_90 and
+// needs no headers: NVRTC has no <cstdint>, hence the typedefs.
+
+typedef unsigned long long cucopy_u64;
+typedef long long cucopy_i64;
+typedef unsigned int cucopy_u32;
+typedef unsigned short cucopy_u16;
+typedef unsigned char cucopy_u8;
+
+struct CucopyHeader {
+    cucopy_u32 magic;
+    cucopy_u16 version;
+    cucopy_u16 header_bytes;
+    cucopy_u32 ndesc;
+    cucopy_u32 nblocks;
+    cucopy_u32 desc_offset;
+    cucopy_u32 data_offset;
+    cucopy_u64 total_bytes;
+};
+
+struct CucopyDesc {
+    cucopy_u64 dst;
+    cucopy_u64 src;
+    cucopy_u64 value;
+    cucopy_u32 dst_pitch;
+    cucopy_u32 src_pitch;
+    cucopy_u32 width;
+    cucopy_u32 rows;
+    cucopy_u16 kind;
+    cucopy_u16 elem;
+    cucopy_u32 block_start;
+};
+
+#define CUCOPY_MAGIC 0x59504343u
+#define CUCOPY_VERSION 1u
+#define CUCOPY_HEADER_BYTES 32u
+#define CUCOPY_DESC_BYTES 48u
+#define CUCOPY_KIND_H2D 1u
+#define CUCOPY_KIND_H2D_2D 2u
+#define CUCOPY_KIND_D2D 3u
+#define CUCOPY_KIND_FILL 4u
+// pack.THREADS: the host sizes a descriptor's block run for this many threads.
+#define CUCOPY_THREADS 256
+// Windows per thread kept in flight: pack.BLOCK_BYTES (16 KiB) is 1024 windows
+// of 16 bytes, so a full block is exactly one round of 4 loads per thread, all
+// issued before the first store (one memory round trip, not four).
+#define CUCOPY_UNROLL 4
+// Up to this many descriptors the whole table (48 B each, 12 KiB) is read into
+// shared memory in one coalesced pass: a block then finds and reads its
+// descriptor in the same round trip. Reading only the block_start column
+// would touch nearly as many 32-byte sectors (one per 48-byte descriptor) and
+// cost a second round trip for the descriptor itself, which in "mapped" mode
+// is a PCIe read of about a microsecond.
+#define CUCOPY_TABLE_MAX 256
+
+// What one descriptor (or one cucopy_fill launch) asks for, decoded once into
+// registers. Work is cut into "windows": the 16-byte-aligned destination
+// words each row touches, so a full window is one 16-byte store and windows
+// never straddle two blocks or two threads.
+struct CucopyJob {
+    cucopy_u64 dst;      // destination address of row 0
+    cucopy_u64 src;      // source address of row 0 (segment address for H2D)
+    cucopy_u64 dpitch;
+    cucopy_u64 spitch;
+    cucopy_u64 width;    // 64-bit: dense 2-D copies are flattened into one row
+    cucopy_u64 rows;
+    cucopy_u64 ppr;      // windows per row (an upper bound when rows differ)
+    cucopy_u64 pattern;  // FILL: the element repeated over 8 bytes
+    cucopy_u32 kind;
+};
+
+// Builds a job; returns false for a descriptor that asks for nothing (or that
+// the host should never have written: unknown kind, bad element size). Such a
+// descriptor is skipped rather than trapped on: a trap would poison the
+// engine's whole CUDA context.
+static __device__ __forceinline__ bool cucopy_job_init(CucopyJob& j, cucopy_u32 kind,
+                                                       cucopy_u64 dst, cucopy_u64 src,
+                                                       cucopy_u64 value, cucopy_u64 dpitch,
+                                                       cucopy_u64 spitch, cucopy_u64 width,
+                                                       cucopy_u64 rows, cucopy_u32 elem)
+{
+    if (kind == CUCOPY_KIND_FILL) {
+        cucopy_u64 v;
+        if (elem == 1u) {
+            v = (value & 0xffull) * 0x0101010101010101ull;
+        } else if (elem == 2u) {
+            v = (value & 0xffffull) * 0x0001000100010001ull;
+        } else if (elem == 4u) {
+            v = (value & 0xffffffffull) * 0x0000000100000001ull;
+        } else if (elem == 8u) {
+            v = value;
+        } else {
+            return false;
+        }
+        // pack.reference_scatter writes width // elem whole elements per row.
+        width -= width % elem;
+        j.pattern = v;
+    } else if (kind != CUCOPY_KIND_H2D && kind != CUCOPY_KIND_H2D_2D
+               && kind != CUCOPY_KIND_D2D) {
+        return false;
+    } else {
+        j.pattern = 0;
+    }
+    if (width == 0 || rows == 0) {
+        return false;
+    }
+    // A dense 2-D copy (packed rows on both sides) is one long row: no window
+    // is wasted on row ends and every window but the first and last is full.
+    if (rows > 1 && dpitch == width && (kind == CUCOPY_KIND_FILL || spitch == width)) {
+        width *= rows;
+        rows = 1;
+    }
+    j.kind = kind;
+    j.dst = dst;
+    j.src = src;
+    j.dpitch = dpitch;
+    j.spitch = spitch;
+    j.width = width;
+    j.rows = rows;
+    if (rows == 1 || (dpitch & 15ull) == 0) {
+        // Every row starts at the same offset within a 16-byte word.
+        j.ppr = ((dst & 15ull) + width + 15ull) >> 4;
+    } else {
+        j.ppr = (width + 30ull) >> 4;
+    }
+    return true;
+}
+
+// The FILL pattern seen from absolute addresses: byte (x & 7) of the result is
+// what belongs at address x of a row starting at row_start, so any aligned
+// 1/2/4/8/16-byte piece of a window is a plain slice of it.
+static __device__ __forceinline__ cucopy_u64 cucopy_pattern_at(cucopy_u64 pattern,
+                                                               cucopy_u64 row_start)
+{
+    const unsigned t = (unsigned)(0ull - row_start) & 7u;
+    return t ? ((pattern >> (8u * t)) | (pattern << (64u - 8u * t))) : pattern;
+}
+
+static __device__ __forceinline__ unsigned cucopy_lowbit(unsigned x)
+{
+    return x & (0u - x);
+}
+
+// Exact-size reads of window bytes [lo, hi) from sb + lo .. sb + hi into the
+// window's words, T-sized pieces aligned to T. Used for D2D windows whose
+// covering 16-byte source words would reach outside the source row: device
+// arrays belong to the caller, and compute-sanitizer memcheck counts even a
+// discarded over-read.
+template <typename T>
+static __device__ __forceinline__ void cucopy_gather(unsigned (&w)[4], const cucopy_u8* sb,
+                                                     unsigned lo, unsigned hi)
+{
+    constexpr unsigned n = sizeof(T);
+#pragma unroll
+    for (unsigned m = 0; m < 16u / n; ++m) {
+        const unsigned off = m * n;
+        if (off >= lo && off + n <= hi) {
+            const T x = __ldg(reinterpret_cast<const T*>(sb + off));
+            if constexpr (n == 8) {
+                w[off / 4] = (unsigned)x;
+                w[off / 4 + 1] = (unsigned)(x >> 32);
+            } else {
+                w[off / 4] |= (unsigned)x << (8u * (off % 4u));
+            }
+        }
+    }
+}
+
+// Partial-window stores, T-sized pieces: a window is partial only at row ends.
+// Stores go through __stwb (st.global) because the addresses come from
+// integers: a plain dereference compiles to a generic ST that must first
+// check which address space it hits.
+template <typename T>
+static __device__ __forceinline__ void cucopy_put(cucopy_u8* a, const unsigned (&w)[4],
+                                                  unsigned lo, unsigned hi)
+{
+    constexpr unsigned n = sizeof(T);
+#pragma unroll
+    for (unsigned m = 0; m < 16u / n; ++m) {
+        const unsigned off = m * n;
+        if (off >= lo && off + n <= hi) {
+            T x;
+            if constexpr (n == 8) {
+                x = (T)w[off / 4] | ((T)w[off / 4 + 1] << 32);
+            } else {
+                x = (T)(w[off / 4] >> (8u * (off % 4u)));
+            }
+            __stwb(reinterpret_cast<T*>(a + off), x);
+        }
+    }
+}
+
+// Picks the i-th of the 8 words w0.x .. w1.w after skipping q (0..3) words.
+static __device__ __forceinline__ unsigned cucopy_pick(unsigned q, unsigned a, unsigned b,
+                                                       unsigned c, unsigned d)
+{
+    return q == 0u ? a : (q == 1u ? b : (q == 2u ? c : d));
+}
+
+// Moves windows [first, end) of job j, first, first + stride, ... for this
+// thread. Each round first issues the loads of CUCOPY_UNROLL windows, then
+// combines and stores them, so a thread has all its reads in flight at once.
+//
+// Source reads. H2D sources live in the segment, which is 16-byte aligned and
+// 16-byte granular, so reading the aligned 16-byte words that hold a window's
+// source bytes never leaves it: every window costs one or two vector loads and
+// a funnel shift when source and destination disagree modulo 16 (the host can
+// avoid that by placing data at the destination's offset modulo 16). D2D
+// sources take the same path when those words lie inside the source row, and
+// exact-size reads (cucopy_gather) at the row ends otherwise.
+static __device__ __forceinline__ void cucopy_run(const CucopyJob& j, cucopy_u64 first,
+                                                  cucopy_u64 end, cucopy_u64 stride)
+{
+    if (first >= end) {
+        return;
+    }
+    const bool fill = j.kind == CUCOPY_KIND_FILL;
+    const bool from_segment = j.kind != CUCOPY_KIND_D2D;
+    // Window u is window k of row r; stepping (r, k) by a constant avoids a
+    // 64-bit division per window.
+    cucopy_u64 r, k, dr, dk;
+    if (j.rows == 1) {
+        r = 0;
+        k = first;
+        dr = 0;
+        dk = stride;
+    } else {
+        r = first / j.ppr;
+        k = first - r * j.ppr;
+        dr = stride / j.ppr;
+        dk = stride - dr * j.ppr;
+    }
+    for (cucopy_u64 base = first; base < end; base += CUCOPY_UNROLL * stride) {
+        cucopy_u8* win[CUCOPY_UNROLL];
+        unsigned lo[CUCOPY_UNROLL], hi[CUCOPY_UNROLL], sh[CUCOPY_UNROLL];
+        unsigned w0[CUCOPY_UNROLL][4], w1[CUCOPY_UNROLL][4];
+#pragma unroll
+        for (int s = 0; s < CUCOPY_UNROLL; ++s) {
+            lo[s] = 16u;
+            hi[s] = 0u;
+            sh[s] = 0u;
+            win[s] = nullptr;
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                w0[s][i] = 0u;
+                w1[s][i] = 0u;
+            }
+            if (base + (cucopy_u64)s * stride >= end) {
+                continue;
+            }
+            const cucopy_u64 rs = j.dst + r * j.dpitch;
+            const cucopy_u64 a = (rs & ~15ull) + 16ull * k;
+            const cucopy_i64 lo_s = (cucopy_i64)(rs - a);
+            const cucopy_i64 hi_s = (cucopy_i64)(rs + j.width - a);
+            const unsigned l = lo_s > 0 ? (unsigned)lo_s : 0u;
+            const unsigned h = hi_s < 16 ? (hi_s > 0 ? (unsigned)hi_s : 0u) : 16u;
+            const cucopy_u64 row = r;
+            k += dk;
+            r += dr;
+            if (k >= j.ppr && j.rows != 1) {
+                k -= j.ppr;
+                ++r;
+            }
+            if (l >= h) {
+                continue;  // past the end of a row whose windows are counted by ppr's bound
+            }
+            lo[s] = l;
+            hi[s] = h;
+            win[s] = reinterpret_cast<cucopy_u8*>(a);
+            if (fill) {
+                const cucopy_u64 p = cucopy_pattern_at(j.pattern, rs);
+                w0[s][0] = (unsigned)p;
+                w0[s][1] = (unsigned)(p >> 32);
+                w0[s][2] = (unsigned)p;
+                w0[s][3] = (unsigned)(p >> 32);
+                continue;
+            }
+            const cucopy_u64 rsrc = j.src + row * j.spitch;
+            const cucopy_u64 sb = rsrc + (a - rs);  // source of window byte 0 (maybe virtual)
+            const cucopy_u64 s0 = sb & ~15ull;
+            const bool need0 = sb + l < s0 + 16ull;
+            const bool need1 = sb + h > s0 + 16ull;
+            const cucopy_u64 first_word = need0 ? s0 : s0 + 16ull;
+            const cucopy_u64 end_word = need1 ? s0 + 32ull : s0 + 16ull;
+            if (from_segment || (first_word >= rsrc && end_word <= rsrc + j.width)) {
+                sh[s] = (unsigned)(sb & 15ull);
+                if (need0) {
+                    const uint4 x = __ldg(reinterpret_cast<const uint4*>(s0));
+                    w0[s][0] = x.x;
+                    w0[s][1] = x.y;
+                    w0[s][2] = x.z;
+                    w0[s][3] = x.w;
+                }
+                if (need1) {
+                    const uint4 x = __ldg(reinterpret_cast<const uint4*>(s0 + 16ull));
+                    w1[s][0] = x.x;
+                    w1[s][1] = x.y;
+                    w1[s][2] = x.z;
+                    w1[s][3] = x.w;
+                }
+            } else {
+                const cucopy_u8* p = reinterpret_cast<const cucopy_u8*>(sb);
+                const unsigned g = cucopy_lowbit(l | h | (unsigned)(sb & 7ull) | 8u);
+                if (g == 8u) {
+                    cucopy_gather<cucopy_u64>(w0[s], p, l, h);
+                } else if (g == 4u) {
+                    cucopy_gather<cucopy_u32>(w0[s], p, l, h);
+                } else if (g == 2u) {
+                    cucopy_gather<cucopy_u16>(w0[s], p, l, h);
+                } else {
+                    cucopy_gather<cucopy_u8>(w0[s], p, l, h);
+                }
+            }
+        }
+#pragma unroll
+        for (int s = 0; s < CUCOPY_UNROLL; ++s) {
+            if (lo[s] >= hi[s]) {
+                continue;
+            }
+            // Window byte i is byte sh + i of the 32 bytes w0 | w1.
+            const unsigned q = sh[s] >> 2;
+            const unsigned b = (sh[s] & 3u) * 8u;
+            const unsigned e0 = cucopy_pick(q, w0[s][0], w0[s][1], w0[s][2], w0[s][3]);
+            const unsigned e1 = cucopy_pick(q, w0[s][1], w0[s][2], w0[s][3], w1[s][0]);
+            const unsigned e2 = cucopy_pick(q, w0[s][2], w0[s][3], w1[s][0], w1[s][1]);
+            const unsigned e3 = cucopy_pick(q, w0[s][3], w1[s][0], w1[s][1], w1[s][2]);
+            const unsigned e4 = cucopy_pick(q, w1[s][0], w1[s][1], w1[s][2], w1[s][3]);
+            unsigned v[4];
+            v[0] = __funnelshift_r(e0, e1, b);
+            v[1] = __funnelshift_r(e1, e2, b);
+            v[2] = __funnelshift_r(e2, e3, b);
+            v[3] = __funnelshift_r(e3, e4, b);
+            if (lo[s] == 0u && hi[s] == 16u) {
+                __stwb(reinterpret_cast<uint4*>(win[s]), make_uint4(v[0], v[1], v[2], v[3]));
+                continue;
+            }
+            const unsigned g = cucopy_lowbit(lo[s] | hi[s] | 8u);
+            if (g == 8u) {
+                cucopy_put<cucopy_u64>(win[s], v, lo[s], hi[s]);
+            } else if (g == 4u) {
+                cucopy_put<cucopy_u32>(win[s], v, lo[s], hi[s]);
+            } else if (g == 2u) {
+                cucopy_put<cucopy_u16>(win[s], v, lo[s], hi[s]);
+            } else {
+                cucopy_put<cucopy_u8>(win[s], v, lo[s], hi[s]);
+            }
+        }
+    }
+}
+
+// Launch: grid = header.nblocks (the value pack.encode returns), block =
+// CUCOPY_THREADS (pack.THREADS), no dynamic shared memory. seg is the
+// segment's device address: device staging memory ("dma" mode) or the device
+// pointer of mapped pinned host memory ("mapped" mode), 16-byte aligned.
+//
+// In mapped mode every dependent read of the segment is a PCIe round trip, so
+// a block reads it in as few rounds as it can: (1) the header (and, for a
+// one-block launch, descriptor 0 beside it: nothing else to look up); (2) the
+// whole descriptor table when it has at most CUCOPY_TABLE_MAX entries, from
+// which __syncthreads_count over block_start <= blockIdx.x gives the owner;
+// larger tables take a 256-way search over block_start per round, then one
+// read of the descriptor; (3) the data. The table is re-read by every block,
+// 48 bytes a descriptor: for mapped segments with many descriptors and many
+// blocks, "dma" mode (one bulk copy, then L2-resident reads) is cheaper.
+// Kernel time on an H200 (CUDA-graph launches, device memory / mapped):
+// one 4-byte copy 1.9 / 3.7 us; 8 x 4 B 2.1 / 5.8 us; 32 x 64 B 2.1 / 11.4 us;
+// 300 x 16 B 4.6 / 49 us; one 256 KiB table (16 blocks) 3.1 / 12.3 us.
+//
+// Blocks [block_start_i, block_start_{i+1}) share descriptor i; its windows
+// (rows x windows per row) are split evenly between them, so the kernel is
+// correct for any block count the host picks. Narrow 2-D copies have many
+// more windows than bytes / 16: 4096 rows of 4 bytes took 18.5 us on the one
+// block pack.blocks_for gives them, 3.9 us on 8 blocks and 2.5 us on 32.
+extern "C" __global__ void __launch_bounds__(CUCOPY_THREADS)
+cucopy_scatter(const unsigned char* __restrict__ seg)
+{
+    __shared__ __align__(16) CucopyDesc s_table[CUCOPY_TABLE_MAX];
+    __shared__ cucopy_u32 s_head[4];  // ndesc, nblocks, desc_offset, valid
+
+    const unsigned t = threadIdx.x;
+    const unsigned b = blockIdx.x;
+    const bool single = gridDim.x == 1u;
+
+    if (t == 0u) {
+        const uint4 h0 = __ldg(reinterpret_cast<const uint4*>(seg));
+        const uint4 h1 = __ldg(reinterpret_cast<const uint4*>(seg + 16));
+        s_head[0] = h0.z;  // ndesc
+        s_head[1] = h0.w;  // nblocks
+        s_head[2] = h1.x;  // desc_offset
+        s_head[3] = h0.x == CUCOPY_MAGIC && (h0.y & 0xffffu) == CUCOPY_VERSION
+                    && (h1.x & 15u) == 0u && h1.x >= CUCOPY_HEADER_BYTES;
+    } else if (single && t < 4u) {
+        // Speculative: pack.encode always puts the table right after the
+        // header, and a launchable segment holds at least one descriptor.
+        reinterpret_cast<uint4*>(s_table)[t - 1u] =
+            __ldg(reinterpret_cast<const uint4*>(seg + CUCOPY_HEADER_BYTES) + (t - 1u));
+    }
+    __syncthreads();
+    const cucopy_u32 n = s_head[0];
+    const cucopy_u32 nblocks = s_head[1];
+    const cucopy_u32 doff = s_head[2];
+    if (!s_head[3] || n == 0u || b >= nblocks) {
+        return;
+    }
+    const cucopy_u8* table = seg + doff;
+
+    const CucopyDesc* d;
+    cucopy_u32 next_start;
+    if (single && n == 1u && doff == CUCOPY_HEADER_BYTES) {
+        d = &s_table[0];
+        next_start = nblocks;
+    } else if (n <= CUCOPY_TABLE_MAX) {
+        const unsigned words = n * (CUCOPY_DESC_BYTES / 16u);
+#pragma unroll
+        for (unsigned i = 0; i < CUCOPY_DESC_BYTES / 16u; ++i) {
+            const unsigned w = t + i * CUCOPY_THREADS;
+            if (w < words) {
+                reinterpret_cast<uint4*>(s_table)[w] =
+                    __ldg(reinterpret_cast<const uint4*>(table) + w);
+            }
+        }
+        __syncthreads();
+        const unsigned owner = __syncthreads_count(t < n && s_table[t].block_start <= b);
+        if (owner == 0u) {
+            return;  // block_start[0] != 0: not a segment pack.encode wrote
+        }
+        d = &s_table[owner - 1u];
+        next_start = owner < n ? s_table[owner].block_start : nblocks;
+    } else {
+        // Invariant: block_start[lo] <= b, and the owner lies in [lo, hi).
+        cucopy_u32 lo = 0u, hi = n;
+        while (hi - lo > 1u) {
+            const cucopy_u32 step = (hi - lo + CUCOPY_THREADS - 1u) / CUCOPY_THREADS;
+            const cucopy_u32 i = lo + t * step;
+            bool below = false;
+            if (i < hi) {
+                below = __ldg(reinterpret_cast<const cucopy_u32*>(
+                            table + (cucopy_u64)i * CUCOPY_DESC_BYTES + 44u)) <= b;
+            }
+            const unsigned c = __syncthreads_count(below);
+            if (c == 0u) {
+                return;  // block_start[0] != 0: not a segment pack.encode wrote
+            }
+            lo += (c - 1u) * step;
+            hi = min(hi, lo + step);
+        }
+        if (t < 3u) {
+            reinterpret_cast<uint4*>(s_table)[t] =
+                __ldg(reinterpret_cast<const uint4*>(table + (cucopy_u64)lo * CUCOPY_DESC_BYTES) + t);
+        } else if (t == 3u) {
+            s_head[0] = lo + 1u < n ? __ldg(reinterpret_cast<const cucopy_u32*>(
+                                          table + (cucopy_u64)(lo + 1u) * CUCOPY_DESC_BYTES + 44u))
+                                    : nblocks;
+        }
+        __syncthreads();
+        d = &s_table[0];
+        next_start = s_head[0];
+    }
+
+    const cucopy_u32 kind = d->kind;
+    CucopyJob j;
+    if (!cucopy_job_init(j, kind, d->dst,
+                         kind == CUCOPY_KIND_D2D ? d->src
+                                                 : reinterpret_cast<cucopy_u64>(seg) + d->src,
+                         d->value, d->dst_pitch, d->src_pitch, d->width, d->rows, d->elem)) {
+        return;
+    }
+    const cucopy_u32 first_block = d->block_start;
+    const cucopy_u32 nb = next_start > first_block ? next_start - first_block : 1u;
+    const cucopy_u64 total = j.rows * j.ppr;
+    const cucopy_u64 per = (total + nb - 1u) / nb;
+    const cucopy_u64 begin = min(total, (cucopy_u64)(b - first_block) * per);
+    const cucopy_u64 end = min(total, begin + per);
+    cucopy_run(j, begin + t, end, CUCOPY_THREADS);
+}
+
+// Standalone fill of `rows` rows of `width` bytes, `dpitch` apart, with the
+// `elem`-byte (1, 2, 4 or 8) little-endian pattern `value`; for CUDA graph
+// capture, where no segment exists. Any grid is correct (grid-stride loop);
+// block = CUCOPY_THREADS. Suggested grid: min(max(1, ceil(rows * width /
+// 16384)), 1024), i.e. one block per pack.BLOCK_BYTES like the scatter, capped
+// where the grid stride already covers a few waves of an H200's 132 SMs.
+extern "C" __global__ void __launch_bounds__(CUCOPY_THREADS)
+cucopy_fill(unsigned char* dst, unsigned long long dpitch, unsigned int width,
+            unsigned int rows, unsigned long long value, unsigned int elem)
+{
+    CucopyJob j;
+    if (!cucopy_job_init(j, CUCOPY_KIND_FILL, reinterpret_cast<cucopy_u64>(dst), 0ull, value,
+                         dpitch, 0ull, width, rows, elem)) {
+        return;
+    }
+    const cucopy_u64 stride = (cucopy_u64)gridDim.x * CUCOPY_THREADS;
+    cucopy_run(j, (cucopy_u64)blockIdx.x * CUCOPY_THREADS + threadIdx.x, j.rows * j.ppr, stride);
+}

@@ -1,0 +1,151 @@
+"""GPU conformance of ``cucopy_scatter`` and ``cucopy_fill`` against pack.reference_scatter.
+
+Random segments (every descriptor kind, 1 B to 256 KiB, random alignments of
+destinations, sources and pitches) run from device memory and from mapped
+pinned memory; the device arena must equal the reference byte for byte. The
+harness is ``bench/kernel_check.py``, which also runs standalone under
+compute-sanitizer.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cucopy import pack
+
+pytestmark = pytest.mark.gpu
+
+MODES = ("dma", "mapped")
+
+
+@functools.cache
+def _kernel_check():
+    path = Path(__file__).resolve().parents[1] / "bench" / "kernel_check.py"
+    spec = importlib.util.spec_from_file_location("cucopy_kernel_check", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def harness():
+    cupy = pytest.importorskip("cupy")
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:  # no driver: CUDARuntimeError, or an import-time failure
+        pytest.skip(f"no CUDA device: {exc}")
+    if count == 0:
+        pytest.skip("no CUDA device")
+    h = _kernel_check().Harness(seed=1234)
+    yield h
+    cupy.cuda.runtime.deviceSynchronize()
+
+
+def _check_batches(h, rng, mode, segments, batch=100, **kw):
+    failures = []
+    for start in range(0, segments, batch):
+        segs = [h.segment(rng, **kw) for _ in range(min(batch, segments - start))]
+        failures += h.check(segs, mode)
+        if failures:
+            break
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_scatter_random_segments(harness, mode):
+    rng = np.random.default_rng(1 if mode == "dma" else 2)
+    _check_batches(harness, rng, mode, segments=1500)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_scatter_tiny_descriptors(harness, mode):
+    # Many descriptors of a few bytes each: every window is a partial one.
+    rng = np.random.default_rng(3)
+    _check_batches(harness, rng, mode, segments=300, max_bytes=40)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("kind", [pack.KIND_H2D, pack.KIND_H2D_2D, pack.KIND_D2D, pack.KIND_FILL])
+def test_scatter_one_kind(harness, mode, kind):
+    rng = np.random.default_rng(10 + kind)
+    _check_batches(harness, rng, mode, segments=100, kinds=(kind,))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_scatter_single_descriptor(harness, mode):
+    # One descriptor and one block: the kernel skips the table lookup.
+    rng = np.random.default_rng(4)
+    _check_batches(harness, rng, mode, segments=200, ndesc=1, max_bytes=pack.BLOCK_BYTES)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("ndesc", [255, 256, 257, 1000, 5000])
+def test_scatter_large_tables(harness, mode, ndesc):
+    # Past 256 descriptors the table no longer fits in shared memory and the
+    # kernel searches block_start in rounds.
+    rng = np.random.default_rng(ndesc)
+    _check_batches(harness, rng, mode, segments=3, batch=3, ndesc=ndesc, max_bytes=600)
+
+
+def test_scatter_large_descriptors_span_blocks(harness):
+    rng = np.random.default_rng(5)
+    segs = [harness.segment(rng, ndesc=4, max_bytes=256 << 10) for _ in range(20)]
+    assert any(s.nblocks > 4 for s in segs)
+    assert not harness.check(segs, "dma")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_scatter_any_blocks_per_descriptor(harness, mode):
+    # Tiny descriptors over many blocks (most blocks idle), big ones over few.
+    rng = np.random.default_rng(9)
+    kc = _kernel_check()
+    failures = []
+    for _ in range(4):
+        segs = [kc.reblock(harness.segment(rng), rng, most=12) for _ in range(50)]
+        failures += harness.check(segs, mode)
+    assert not failures, "\n".join(failures)
+
+
+def test_scatter_unknown_kind_is_skipped(harness):
+    rng = np.random.default_rng(6)
+    seg = harness.segment(rng, ndesc=3, kinds=(pack.KIND_FILL,), max_bytes=64)
+    before = harness.arena.get()
+    table = seg.data[pack.HEADER_BYTES : pack.HEADER_BYTES + 3 * pack.DESC_BYTES].view(
+        pack.DESC_DTYPE
+    )
+    table["kind"] = 99
+    harness.run([seg], "dma")
+    assert np.array_equal(harness.arena.get(), before)
+
+
+def test_scatter_bad_magic_writes_nothing(harness):
+    rng = np.random.default_rng(7)
+    seg = harness.segment(rng, ndesc=5)
+    seg.data[:4] = 0
+    before = harness.arena.get()
+    harness.run([seg], "mapped")
+    assert np.array_equal(harness.arena.get(), before)
+
+
+def test_fill_random(harness):
+    rng = np.random.default_rng(8)
+    failures = []
+    for _ in range(300):
+        failures += harness.check_fill(rng)
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("grid", [1, 3, 1024])
+def test_fill_any_grid(harness, grid):
+    rng = np.random.default_rng(grid)
+    failures = []
+    for _ in range(50):
+        failures += harness.check_fill(rng, grid=grid)
+    assert not failures, "\n".join(failures)
