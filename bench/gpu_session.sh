@@ -95,7 +95,7 @@ export -f versions
 export PY
 step versions 30 bash -c versions
 
-step pytest_gpu 150 "$PY" -m pytest -m gpu -q -x -p no:cacheprovider tests/
+step pytest_gpu 170 "$PY" -m pytest -m gpu -q -p no:cacheprovider -o faulthandler_timeout=60 tests/
 
 sanitizer=$(command -v compute-sanitizer || true)
 if [[ ! -f bench/kernel_check.py ]]; then
@@ -118,7 +118,7 @@ else
         "$PY" bench/kernel_check.py "${race_args[@]}"
 fi
 
-if [[ -f bench/backend_calls.py ]]; then
+if [[ -n "${BACKEND_CALLS:-}" && -f bench/backend_calls.py ]]; then
     step backend_calls 60 "$PY" bench/backend_calls.py --json "$work/bench/backend_calls.json"
 else
     skip backend_calls "bench/backend_calls.py is absent"

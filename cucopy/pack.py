@@ -80,10 +80,13 @@ KIND_D2D = 3
 KIND_FILL = 4
 KINDS = (KIND_H2D, KIND_H2D_2D, KIND_D2D, KIND_FILL)
 
-# One thread block per BLOCK_BYTES of a descriptor: 256 threads moving 16 bytes
-# each, four times.
+# One thread block per 256 sixteen-byte destination windows (a row touches
+# ceil(width / 16) + 1 of them at most): a 256 KiB table on 64 blocks takes 2.2 us
+# against 3.1 us on 16, and 4096 rows of 4 B take 2.5 us on 32 blocks against
+# 18.5 us on one (kernel author's H200 measurements).
 THREADS = 256
-BLOCK_BYTES = THREADS * 16 * 4
+WINDOWS_PER_BLOCK = 256
+BLOCK_BYTES = WINDOWS_PER_BLOCK * 16
 
 MAX_PITCH = (1 << 32) - 1
 
@@ -95,9 +98,10 @@ def align(n: int, a: int = ALIGN) -> int:
     return (n + a - 1) & -a
 
 
-def blocks_for(nbytes: int) -> int:
-    """Thread blocks given to a descriptor moving ``nbytes``."""
-    return max(1, (nbytes + BLOCK_BYTES - 1) // BLOCK_BYTES)
+def blocks_for(width: int, rows: int = 1) -> int:
+    """Thread blocks given to a descriptor of ``rows`` rows of ``width`` bytes."""
+    windows = (width + 15) // 16 if rows == 1 else rows * ((width + 15) // 16 + 1)
+    return max(1, (windows + WINDOWS_PER_BLOCK - 1) // WINDOWS_PER_BLOCK)
 
 
 def encode(out: np.ndarray, descs: list, data_offset: int, total_bytes: int) -> int:
@@ -122,8 +126,11 @@ def encode(out: np.ndarray, descs: list, data_offset: int, total_bytes: int) -> 
     """
     n = len(descs)
     table = np.array(descs, dtype=DESC_DTYPE)
-    nbytes = table["width"].astype(np.int64) * table["rows"]
-    counts = np.maximum(1, (nbytes + BLOCK_BYTES - 1) // BLOCK_BYTES)
+    width = table["width"].astype(np.int64)
+    rows = table["rows"].astype(np.int64)
+    per_row = (width + 15) // 16
+    windows = np.where(rows == 1, per_row, rows * (per_row + 1))
+    counts = np.maximum(1, (windows + WINDOWS_PER_BLOCK - 1) // WINDOWS_PER_BLOCK)
     starts = np.cumsum(counts) - counts
     table["block_start"] = starts
     nblocks = int(starts[-1] + counts[-1]) if n else 0

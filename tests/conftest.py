@@ -134,7 +134,7 @@ class CudaEnv:
 
     def write(self, stream, arr, value):
         with stream:
-            arr[...] = value
+            arr[...] = self.cp.asarray(value) if isinstance(value, np.ndarray) else value
 
     def read_later(self, stream, arr):
         with stream:

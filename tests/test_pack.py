@@ -18,6 +18,7 @@ def test_blocks_for():
     assert pack.blocks_for(1) == 1
     assert pack.blocks_for(pack.BLOCK_BYTES) == 1
     assert pack.blocks_for(pack.BLOCK_BYTES + 1) == 2
+    assert pack.blocks_for(4, rows=4096) == 32  # two windows a row: spread tall tables too
     assert pack.align(17) == 32 and pack.align(32) == 32
 
 
@@ -43,8 +44,9 @@ def test_encode_decode_roundtrip_and_block_runs():
     buf, nblocks = _segment(descs, b"\x01\x02\x03\x04" + bytes(12) + bytes(big))
     header, table = pack.decode(buf.tobytes())
     assert int(header["ndesc"]) == 3
-    assert int(header["nblocks"]) == nblocks == 1 + 3 + 1
-    assert table["block_start"].tolist() == [0, 1, 4]
+    assert int(header["nblocks"]) == nblocks == 1 + pack.blocks_for(big) + 1
+    assert table["block_start"].tolist() == [0, 1, 1 + pack.blocks_for(big)]
+    assert pack.blocks_for(big) == 9
     assert int(header["total_bytes"]) == buf.nbytes
     assert int(header["data_offset"]) % pack.ALIGN == 0
 

@@ -72,10 +72,12 @@ _ERROR_NOT_READY = 600  # cudaErrorNotReady
 
 #: Segments of at most this many bytes are flushed ``mapped`` under
 #: ``flush_mode="auto"`` when ``crossover.json`` has no entry for the device.
-#: Provisional: a guess (a few KiB read over PCIe by one launch vs one extra
-#: memcpy), to be replaced by the crossover measured by the flush-mode bench
-#: and stored as ``{"sm_90": bytes}`` in ``cucopy/backends/crossover.json``.
-DEFAULT_MAPPED_THRESHOLD = 4096
+#: Provisional: in mapped mode every block reads its descriptors over PCIe
+#: (32 x 64 B: 11.4 us mapped against 2.1 us from device memory, one 4-byte copy:
+#: 3.7 against 1.9, kernel author's H200 run), so only segments of one or two
+#: descriptors go mapped until the size sweep stores a measured crossover as
+#: ``{"sm_90": bytes}`` in ``cucopy/backends/crossover.json``.
+DEFAULT_MAPPED_THRESHOLD = 512
 
 _CROSSOVER_PATH = Path(__file__).with_name("crossover.json")
 
