@@ -943,16 +943,12 @@ class DeviceCopier:
             end += shift
             data0 = need0
         self._reserve = max(self._reserve, n)
-        # H2D rows carry slot offsets; the wire format wants segment offsets
-        rebase = shift - seg
-        rows = [
-            (dd[0], dd[1] + rebase, *dd[2:]) if dd[7] <= pack.KIND_H2D_2D else dd for dd in descs
-        ]
         checker = self._checker
         try:
             if checker is not None:
                 checker.before_flush(entries)
-            nblocks = pack.encode(slot.array[seg:data0], rows, data0 - seg, end - seg)
+            # H2D rows carry slot offsets; the wire format wants segment offsets
+            nblocks = pack.encode(slot.mv[seg:data0], descs, data0 - seg, end - seg, shift - seg)
             total = end - seg
             be = self._backend
             if self.flush_mode == "mapped" or (

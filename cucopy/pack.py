@@ -17,6 +17,8 @@ Each descriptor owns a run of thread blocks ``[block_start, next.block_start)``
 
 from __future__ import annotations
 
+import struct
+
 import numpy as np
 
 __all__ = [
@@ -104,48 +106,60 @@ def blocks_for(width: int, rows: int = 1) -> int:
     return max(1, (windows + WINDOWS_PER_BLOCK - 1) // WINDOWS_PER_BLOCK)
 
 
-def encode(out: np.ndarray, descs: list, data_offset: int, total_bytes: int) -> int:
+# struct layouts derived from the dtypes above, for packing from Python at flush
+# time (one pack_into per descriptor costs a fraction of building a NumPy table)
+_HEADER_STRUCT = struct.Struct("<IHHIIIIQ")
+_DESC_STRUCT = struct.Struct("<QQQIIIIHHI")
+assert _HEADER_STRUCT.size == HEADER_BYTES and _DESC_STRUCT.size == DESC_BYTES
+
+
+def encode(out, descs: list, data_offset: int, total_bytes: int, src_shift: int = 0) -> int:
     """Write the header and descriptors of one segment into ``out``.
 
     Parameters
     ----------
-    out : numpy.ndarray
-        ``uint8`` view of the segment's first ``data_offset`` bytes.
+    out : writable buffer
+        The segment's first ``data_offset`` bytes (a ``uint8`` array or memoryview).
     descs : list of tuple
-        Descriptor rows in :data:`DESC_DTYPE` field order with ``block_start``
-        left as 0; H2D ``src`` fields are offsets from the segment start.
+        Descriptor rows in :data:`DESC_DTYPE` field order, ``block_start`` last
+        (ignored: it is computed here).
     data_offset : int
         Where the data region starts (16-byte aligned, past the descriptors).
     total_bytes : int
         Bytes of the whole segment.
+    src_shift : int
+        Added to the ``src`` field of H2D rows (turns slot offsets into segment
+        offsets).
 
     Returns
     -------
     int
         The number of thread blocks the scatter launch needs.
     """
-    n = len(descs)
-    table = np.array(descs, dtype=DESC_DTYPE)
-    width = table["width"].astype(np.int64)
-    rows = table["rows"].astype(np.int64)
-    per_row = (width + 15) // 16
-    windows = np.where(rows == 1, per_row, rows * (per_row + 1))
-    counts = np.maximum(1, (windows + WINDOWS_PER_BLOCK - 1) // WINDOWS_PER_BLOCK)
-    starts = np.cumsum(counts) - counts
-    table["block_start"] = starts
-    nblocks = int(starts[-1] + counts[-1]) if n else 0
-    header = np.zeros((), dtype=HEADER_DTYPE)
-    header["magic"] = MAGIC
-    header["version"] = VERSION
-    header["header_bytes"] = HEADER_BYTES
-    header["ndesc"] = n
-    header["nblocks"] = nblocks
-    header["desc_offset"] = HEADER_BYTES
-    header["data_offset"] = data_offset
-    header["total_bytes"] = total_bytes
-    out[:HEADER_BYTES] = np.frombuffer(header.tobytes(), np.uint8)
-    out[HEADER_BYTES : HEADER_BYTES + n * DESC_BYTES] = table.view(np.uint8)
-    return nblocks
+    pack_desc = _DESC_STRUCT.pack_into
+    block = 0
+    off = HEADER_BYTES
+    for dst, src, value, dpitch, spitch, width, rows, kind, elem, _ in descs:
+        if kind <= KIND_H2D_2D:
+            src += src_shift
+        pack_desc(out, off, dst, src, value, dpitch, spitch, width, rows, kind, elem, block)
+        per_row = (width + 15) >> 4
+        windows = per_row if rows == 1 else rows * (per_row + 1)
+        block += (windows + WINDOWS_PER_BLOCK - 1) // WINDOWS_PER_BLOCK or 1
+        off += DESC_BYTES
+    _HEADER_STRUCT.pack_into(
+        out,
+        0,
+        MAGIC,
+        VERSION,
+        HEADER_BYTES,
+        len(descs),
+        block,
+        HEADER_BYTES,
+        data_offset,
+        total_bytes,
+    )
+    return block
 
 
 def decode(segment) -> tuple[np.void, np.ndarray]:

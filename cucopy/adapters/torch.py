@@ -141,45 +141,56 @@ def resolve(x, stream=None) -> ArrayInfo:
     dt = _numpy_dtype(x)
     item = dt.itemsize
     shape = tuple(x.shape)
-    strides = tuple(s * item for s in x.stride())
+    strides = tuple([s * item for s in x.stride()])
     try:
         ptr = x.data_ptr()
     except RuntimeError as e:  # wrapper subclasses (FakeTensor, functional) have no storage
         raise TypeError(f"{_label(x)}: the tensor has no data pointer ({e})") from None
     if is_cuda:
-        dev = x.get_device()
-        return ArrayInfo(
-            ptr,
-            shape,
-            strides,
-            dt,
-            device=dev,
-            pinned=None,
-            host=None,
-            obj=x,
-            readonly=False,
-            label=lambda: f"torch.Tensor(cuda:{dev}, {x.dtype}, shape={shape})",
-        )
-    t = x.detach() if x.requires_grad else x
-    if t.dtype in _EXTENSION:
-        host = t.view(_VIEW_AS[item]).numpy().view(dt)
+        info = _new_info(ArrayInfo)
+        info.device = x.get_device()
+        info.pinned = None
+        info.host = None
+        info._label = lambda: f"torch.Tensor(cuda:{info.device}, {x.dtype}, shape={shape})"
     else:
-        host = t.numpy()
-    pinned = x.is_pinned()
-    return ArrayInfo(
-        ptr,
-        shape,
-        strides,
-        dt,
-        device=None,
-        pinned=pinned,
-        host=host,
-        obj=x,
-        readonly=False,
-        label=lambda: (
-            f"torch.Tensor({'cpu, pinned' if pinned else 'cpu'}, {x.dtype}, shape={shape})"
-        ),
-    )
+        t = x.detach() if x.requires_grad else x
+        if t.dtype in _EXTENSION:
+            host = t.view(_VIEW_AS[item]).numpy().view(dt)
+        else:
+            host = t.numpy()
+        info = _new_info(_HostTensorInfo)
+        info.device = None
+        info.host = host
+        info._label = lambda: (
+            f"torch.Tensor({'cpu, pinned' if info.pinned else 'cpu'}, {x.dtype}, shape={shape})"
+        )
+    info.ptr = ptr
+    info.shape = shape
+    info.strides = strides
+    info.dtype = dt
+    info.obj = x
+    info.readonly = False
+    return info
+
+
+_new_info = object.__new__
+
+
+class _HostTensorInfo(ArrayInfo):
+    """A CPU tensor's info; whether it is pinned is asked only when needed.
+
+    ``Tensor.is_pinned()`` asks the CUDA driver and costs microseconds, while
+    staging a source only needs its bytes.
+    """
+
+    __slots__ = ("_pinned",)
+
+    @property
+    def pinned(self) -> bool:  # noqa: D102 (documented on ArrayInfo)
+        p = getattr(self, "_pinned", None)
+        if p is None:
+            p = self._pinned = bool(self.obj.is_pinned())
+        return p
 
 
 def current_stream(x):
