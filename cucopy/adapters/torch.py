@@ -147,11 +147,14 @@ def resolve(x, stream=None) -> ArrayInfo:
     except RuntimeError as e:  # wrapper subclasses (FakeTensor, functional) have no storage
         raise TypeError(f"{_label(x)}: the tensor has no data pointer ({e})") from None
     if is_cuda:
+        # the label closures capture locals, never ``info``: a cycle per call would
+        # leave every resolve to the cyclic garbage collector
+        dev = x.get_device()
         info = _new_info(ArrayInfo)
-        info.device = x.get_device()
+        info.device = dev
         info.pinned = None
         info.host = None
-        info._label = lambda: f"torch.Tensor(cuda:{info.device}, {x.dtype}, shape={shape})"
+        info._label = lambda: f"torch.Tensor(cuda:{dev}, {x.dtype}, shape={shape})"
     else:
         t = x.detach() if x.requires_grad else x
         if t.dtype in _EXTENSION:
@@ -162,7 +165,7 @@ def resolve(x, stream=None) -> ArrayInfo:
         info.device = None
         info.host = host
         info._label = lambda: (
-            f"torch.Tensor({'cpu, pinned' if info.pinned else 'cpu'}, {x.dtype}, shape={shape})"
+            f"torch.Tensor({'cpu, pinned' if x.is_pinned() else 'cpu'}, {x.dtype}, shape={shape})"
         )
     info.ptr = ptr
     info.shape = shape
