@@ -11,7 +11,7 @@ import weakref
 import numpy as np
 
 from . import _layout, check, pack
-from .adapters import ArrayInfo, readonly_hint, resolve
+from .adapters import ArrayInfo, fingerprint_fn, readonly_hint, resolve
 from .errors import CopyError
 from .plan import CopyPlan
 from .ring import StagingRing
@@ -25,6 +25,7 @@ _get_ident = threading.get_ident
 FLUSH_MODES = ("auto", "dma", "mapped")
 _EMPTY_PLAN = CopyPlan()
 _FILL_ELEMS = (1, 2, 4, 8)
+_DCACHE_MAX = 4096
 
 
 def _label(site) -> str:
@@ -196,6 +197,7 @@ class DeviceCopier:
         self._reads = _RangeSet()
         self._exact: dict = {}
         self._seg = -1
+        self._dcache: dict = {}
         self._data0 = 0
         self._reserve = 16
         self._cursor = 0
@@ -244,10 +246,15 @@ class DeviceCopier:
         try:
             if self._entries:
                 self._flush_segment()
-            self._ring.record(self._stream)
         finally:
+            try:
+                self._ring.record(self._stream)
+            except Exception:
+                # no event to wait on: wait for the stream itself before freeing the ring
+                self._backend.synchronize(self._stream)
             self._closed = True
             self._in_step = False
+            self._dcache.clear()
             check.unregister(self)
             self._finalizer()
 
@@ -278,14 +285,18 @@ class DeviceCopier:
         self._live()
         if self._in_step and self._entries:
             self.flush()
+        self._in_step = False
+        self._checker = check.Checker(self) if check.CHECK_MODE else None
+        self._capturing = self._backend.is_capturing(self._stream)
+        if not self._capturing:
+            try:
+                self._advance()
+            except BaseException:
+                self._slot = None  # the ring may have freed it; the next begin() starts afresh
+                raise
         self._owner = threading.get_ident()
         self._in_step = True
         self.stats.steps += 1
-        self._checker = check.Checker(self) if check.CHECK_MODE else None
-        self._capturing = self._backend.is_capturing(self._stream)
-        if self._capturing:
-            return
-        self._advance()
 
     def _advance(self) -> None:
         self._ring.record(self._stream)
@@ -352,8 +363,13 @@ class DeviceCopier:
         self.begin()
         try:
             yield self
-        except BaseException:
-            self.discard()
+        except BaseException as exc:
+            try:
+                self.discard()
+            except CopyError as drop_error:
+                # the body's exception wins; the failing on_drop rides along as a note
+                if hasattr(exc, "add_note"):
+                    exc.add_note(f"cucopy: while discarding: {drop_error}")
             raise
         try:
             self.flush()
@@ -447,11 +463,31 @@ class DeviceCopier:
         TypeError, ValueError, CopyError
             Bad input, naming the site and the offending value; nothing staged is lost.
         """
+        if (
+            self._in_step
+            and not unchanged
+            and type(src) is np.ndarray
+            and site in self._merge
+            and not self._capturing
+            and self._checker is None
+            and self._owner == _get_ident()
+        ):
+            ent = self._dcache.get(id(dst))
+            if (
+                ent is not None
+                and ent[0]() is dst
+                and ent[1](dst) == ent[2]
+                and site.direction is _H2D
+                and self._stage_known(site, ent, src, on_drop)
+            ):
+                return True
         if self._closed or (self._in_step and self._owner != _get_ident()):
             self._live(site)
         direction = self._site(site, False)
         d = self._dst(site, dst)
         s = self._src(site, src, direction)
+        if direction is _H2D and dst is not d and site in self._merge:
+            self._remember(dst, d)
         if d.dtype != s.dtype:
             raise TypeError(f"{site.label}: dtype mismatch: dst {d.label}, src {s.label}")
         n = d.size
@@ -584,6 +620,65 @@ class DeviceCopier:
         self._cursor = off + nbytes
         if self._checker is not None:
             self._checker.on_stage(e, d, None)
+        if site in self._barriers:
+            self._flush_segment()
+        return True
+
+    def _remember(self, dst, d) -> None:
+        """Cache a merged destination's geometry by identity (revalidated by fingerprint)."""
+        fp = fingerprint_fn(dst)
+        if fp is None:
+            return
+        f = _layout.form(d.ptr, d.shape, d.strides, d.dtype.itemsize)
+        if f is None:
+            return
+        try:  # by weak reference: the cache must not keep a user's device memory alive
+            ref = weakref.ref(dst)
+        except TypeError:
+            return
+        cache = self._dcache
+        if len(cache) >= _DCACHE_MAX:
+            cache.clear()
+        ptr, rows, width, pitch = f
+        kind = pack.KIND_H2D if rows == 1 else pack.KIND_H2D_2D
+        cache[id(dst)] = (
+            ref,
+            fp,
+            fp(dst),
+            f,
+            ptr,
+            ptr + (rows - 1) * pitch + width,
+            rows * width,
+            d.dtype,
+            d.size,
+            kind,
+        )
+
+    def _stage_known(self, site, ent, src, on_drop) -> bool:
+        """Stage a NumPy source into a cached destination; False leaves it to the full path."""
+        _, _, _, f, lo, hi, nbytes, dtype, size, kind = ent
+        if src.dtype != dtype or src.size != size or self._seg < 0:
+            return False
+        entries = self._entries
+        if entries and (self._writes.overlaps(lo, hi) or self._reads.overlaps(lo, hi)):
+            return False
+        off = (self._cursor + 15) & -16
+        grow = len(self._descs) + 2 - self._reserve
+        if off + nbytes + (grow * pack.DESC_BYTES + 16 if grow > 0 else 0) > self._slot.top:
+            return False
+        try:  # a typed memoryview assignment is the cheapest byte copy from Python
+            self._slot.mv[off : off + nbytes] = src.data.cast("B")
+        except (TypeError, ValueError, NotImplementedError, BufferError):
+            return False
+        ptr, rows, width, pitch = f
+        index = len(self._descs)
+        self._descs.append((ptr, off, 0, pitch, width, width, rows, kind, 0, 0))
+        e = _Entry(site, [on_drop] if on_drop is not None else None, lo, hi, index)
+        e.geom = f
+        self._exact[(lo, hi)] = len(entries)
+        entries.append(e)
+        self._writes.add(lo, hi)
+        self._cursor = off + nbytes
         if site in self._barriers:
             self._flush_segment()
         return True
@@ -975,8 +1070,8 @@ class DeviceCopier:
                 self._run_drops(entries)
             except CopyError:
                 pass
-            if isinstance(exc, CopyError):
-                raise
+            if isinstance(exc, CopyError) or not isinstance(exc, Exception):
+                raise  # a CopyError already names the site; KeyboardInterrupt stays one
             raise CopyError(
                 f"{_label(entries[0].site)}: flushing {len(entries)} staged copies "
                 f"failed: {exc!r}; their on_drop callbacks ran"

@@ -383,3 +383,53 @@ def test_import_cucopy_imports_no_framework():
         "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+class _Rebindable:
+    """A device array whose storage can be swapped in place (as torch's set_ does)."""
+
+    def __init__(self, arr):
+        self.arr = arr
+
+    def __cucopy_array__(self):
+        return self.arr.__cucopy_array__()
+
+    @staticmethod
+    def __cucopy_fingerprint__(x):
+        return x.arr.ptr
+
+
+def test_a_destination_rebound_in_place_is_not_served_from_the_cache():
+    from conftest import SimEnv
+
+    env = SimEnv()
+    c = env.copier(PLAN)
+    first, second = env.empty((4,)), env.empty((4,))
+    dst = _Rebindable(first)
+    for step in range(3):
+        with c.step():
+            c.copy(Site.POS, dst, np.full(4, step, np.int32))
+    dst.arr = second  # same object, new storage
+    with c.step():
+        c.copy(Site.POS, dst, np.full(4, 9, np.int32))
+    assert env.to_host(first).tolist() == [2] * 4
+    assert env.to_host(second).tolist() == [9] * 4
+
+
+def test_the_destination_cache_keeps_nothing_alive():
+    import gc
+    import weakref
+
+    from conftest import SimEnv
+
+    env = SimEnv()
+    c = env.copier(PLAN)
+    a = env.empty((4,))
+    ref = weakref.ref(a)
+    with c.step():
+        c.copy(Site.POS, a, np.ones(4, np.int32))
+        c.copy(Site.LENS, a, np.ones(4, np.int32))
+    assert env.to_host(a).tolist() == [1] * 4
+    del a
+    gc.collect()
+    assert ref() is None

@@ -23,6 +23,7 @@ __all__ = [
     "current_stream",
     "describe",
     "readonly_hint",
+    "fingerprint_fn",
     "extension_dtype",
 ]
 
@@ -241,6 +242,26 @@ def resolve(x, stream=None) -> ArrayInfo:
             f"__dlpack__), got {type(x).__module__}.{type(x).__qualname__}"
         )
     return fn(x, stream)
+
+
+def _immutable(x):
+    return None
+
+
+def fingerprint_fn(x):
+    """A cheap ``f(x)`` whose value changes whenever ``x``'s geometry may have.
+
+    Lets a caller cache a device array's :class:`ArrayInfo` by identity and
+    revalidate it for a fraction of a :func:`resolve`. Returns None for arrays
+    that must be resolved every time.
+    """
+    tp = type(x)
+    if hasattr(tp, "__cucopy_array__"):
+        return getattr(tp, "__cucopy_fingerprint__", _immutable)
+    lib = tp.__module__.split(".")[0]
+    if lib in ("torch", "cupy"):
+        return importlib.import_module(_LIBS[lib], __name__).fingerprint
+    return None
 
 
 def describe(x) -> str:

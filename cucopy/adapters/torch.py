@@ -210,3 +210,12 @@ def current_stream(x):
     if x.is_cuda:
         return torch.cuda.current_stream(x.device)
     return None
+
+
+def fingerprint(x):
+    """What must be unchanged for a cached description of ``x`` to hold.
+
+    ``resize_``, ``set_`` and ``as_strided_`` change a tensor's geometry in place;
+    each changes one of these.
+    """
+    return (x.data_ptr(), x.shape, x.stride())
