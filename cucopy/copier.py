@@ -26,6 +26,11 @@ FLUSH_MODES = ("auto", "dma", "mapped")
 _EMPTY_PLAN = CopyPlan()
 _FILL_ELEMS = (1, 2, 4, 8)
 _DCACHE_MAX = 4096
+# "auto" reads a segment from mapped memory only while every block's descriptor
+# reads stay few: on the H200, 8 and 32 descriptors ran 10.1 and 13.5 us mapped
+# against 20.4 us through an upload; 128 ran 38.6 mapped against 20.7
+# (bench/results/2026-11-30-h200-run1, step_cost).
+_MAPPED_MAX_DESCS = 64
 
 
 def _label(site) -> str:
@@ -1047,7 +1052,7 @@ class DeviceCopier:
             total = end - seg
             be = self._backend
             if self.flush_mode == "mapped" or (
-                self.flush_mode == "auto" and total <= self._mapped_max
+                self.flush_mode == "auto" and total <= self._mapped_max and n <= _MAPPED_MAX_DESCS
             ):
                 be.scatter(slot.pinned.device_ptr + seg, nblocks, self._stream, True)
             else:

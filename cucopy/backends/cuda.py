@@ -72,12 +72,11 @@ _ERROR_NOT_READY = 600  # cudaErrorNotReady
 
 #: Segments of at most this many bytes are flushed ``mapped`` under
 #: ``flush_mode="auto"`` when ``crossover.json`` has no entry for the device.
-#: Provisional: in mapped mode every block reads its descriptors over PCIe
-#: (32 x 64 B: 11.4 us mapped against 2.1 us from device memory, one 4-byte copy:
-#: 3.7 against 1.9, kernel author's H200 run), so only segments of one or two
-#: descriptors go mapped until the size sweep stores a measured crossover as
-#: ``{"sm_90": bytes}`` in ``cucopy/backends/crossover.json``.
-DEFAULT_MAPPED_THRESHOLD = 512
+#: Measured on the H200 (bench/results/2026-11-30-h200-run1, size_sweep: one table
+#: plus tiny vectors): reading the segment from mapped memory was not slower than
+#: an upload plus launch up to a 134 KB segment, and the upload won from 188 KB on.
+#: The copier also caps mapped segments by descriptor count (copier.py).
+DEFAULT_MAPPED_THRESHOLD = 128 * 1024
 
 _CROSSOVER_PATH = Path(__file__).with_name("crossover.json")
 
