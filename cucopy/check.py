@@ -145,10 +145,22 @@ class Checker:
         self.backend = copier.backend
         self.stream = copier.stream
         self.pending = []
+        self.snaps = []
 
     def snap(self, lo, hi) -> _Snap:
         """Snapshot device bytes at the current stream position."""
-        return _Snap(self.backend, self.stream, lo, hi)
+        snap = _Snap(self.backend, self.stream, lo, hi)
+        self.snaps.append(snap)
+        return snap
+
+    def release(self) -> list:
+        """Hand over the snapshots never read (the step's copies were discarded).
+
+        Returns their device buffers, to be freed once the stream has passed
+        the copies that fill them.
+        """
+        snaps, self.snaps, self.pending = self.snaps, [], []
+        return [snap.buf for snap in snaps if snap.data is None]
 
     def on_stage(self, e, d, s) -> None:
         """A copy was staged into entry ``e`` (dst ``d``, D2D source ``s``)."""
@@ -199,10 +211,13 @@ class Checker:
         self.verify_pending()
 
     def verify_pending(self) -> None:
-        """Check the ``unchanged`` claims made since the last flush."""
+        """Check the ``unchanged`` claims made since the last flush, then free the snapshots."""
         pending, self.pending = self.pending, []
-        for fn in pending:
-            fn()
+        try:
+            for fn in pending:
+                fn()
+        finally:
+            self.snaps = [snap for snap in self.snaps if snap.data is None]
 
 
 def _overlay(buf, lo, hi, staged, backend, stream) -> None:
@@ -247,11 +262,13 @@ def verify_unchanged(copier, site, d, s, fill) -> None:
     it = d.dtype.itemsize
     lo, hi = _layout.extent(d.ptr, d.shape, d.strides, it)
     staged = [(e, e.data, e.ssnap) for e in copier._entries if e.data is not None]
-    dsnap = _Snap(backend, stream, lo, hi)
+    checker = copier._checker if copier.in_step else None
+    take = checker.snap if checker is not None else (lambda a, b: _Snap(backend, stream, a, b))
+    dsnap = take(lo, hi)
     ssnap = None
     if s is not None and s.device is not None:
         slo, shi = _layout.extent(s.ptr, s.shape, s.strides, it)
-        ssnap = (_Snap(backend, stream, slo, shi), slo, shi)
+        ssnap = (take(slo, shi), slo, shi)
     host = None
     if s is not None and s.device is None:
         host = np.ascontiguousarray(s.host).reshape(-1).view(np.uint8).reshape(-1, it).copy()
@@ -276,7 +293,6 @@ def verify_unchanged(copier, site, d, s, fill) -> None:
             want = _elements(sbuf, slo, s.ptr, s.shape, s.strides, it)
         _first_diff(site, "unchanged copy into", d, got, want)
 
-    checker = copier._checker if copier.in_step else None
     if checker is not None:
         checker.pending.append(run)
     else:

@@ -341,9 +341,15 @@ class DeviceCopier:
         CopyError
             If an ``on_drop`` callback raised (every callback still runs).
         """
+        if self._in_step and self._owner != _get_ident():
+            self._live()
         entries = self._entries
         self._reset_segment()
         self._in_step = False
+        if self._checker is not None and self._slot is not None:
+            # snapshot copies may still be queued: free their buffers with the slot
+            self._slot.temps.extend(self._checker.release())
+            self._slot.dirty = True
         if self._slot is not None:
             self._ring.record(self._stream)
         self._run_drops(entries)
@@ -501,6 +507,8 @@ class DeviceCopier:
                 f"{site.label}: size mismatch: dst has {n} elements ({d.label}), "
                 f"src has {s.size} ({s.label})"
             )
+        if on_drop is not None and not callable(on_drop):
+            raise TypeError(f"{site.label}: on_drop must be callable, got {on_drop!r}")
         if unchanged:
             return self._skip(site, d, s, None)
         if n == 0:
@@ -541,6 +549,8 @@ class DeviceCopier:
             raise ValueError(f"{site.label}: start must be an int >= 0, got {start!r}")
         start = int(start)
         pattern = _pattern(site, d.dtype, value)
+        if on_drop is not None and not callable(on_drop):
+            raise TypeError(f"{site.label}: on_drop must be callable, got {on_drop!r}")
         if unchanged:
             return self._skip(site, d, None, (start, pattern))
         if start >= d.size:
@@ -920,6 +930,7 @@ class DeviceCopier:
         ):
             self._advance()
         self._in_step = True
+        self._owner = _get_ident()
         try:
             if fill is not None:
                 self._eager_fill(site, d, fill[0], fill[1], None)
@@ -955,7 +966,8 @@ class DeviceCopier:
         grow = len(self._descs) + ndesc + 1 - self._reserve
         need = off + nbytes + (grow * pack.DESC_BYTES + pack.ALIGN if grow > 0 else 0)
         if need > self._slot.top:
-            self._ring.note_overflow(pack.align(nbytes) + ndesc * pack.DESC_BYTES)
+            # the data is counted where the eager fallback puts its snapshot
+            self._ring.note_overflow(ndesc * pack.DESC_BYTES + pack.ALIGN)
             return -1
         return off
 
@@ -996,8 +1008,8 @@ class DeviceCopier:
                     self._descs[old] = desc
                     if on_drop is not None:
                         e.on_drop = (e.on_drop or []) + [on_drop]
-                    self.stats.sites[site].merged += 1
-                    e.site = site
+                    self.stats.sites[e.site].merged += 1  # the superseded copy
+                    e.site = site  # counted at flush
                     return e
             self._order_flush()
             return None
@@ -1166,7 +1178,7 @@ def active_copier() -> DeviceCopier | None:
 
 def _plain_copier(dst, site=None) -> DeviceCopier:
     """A plan-less copier for ``dst``'s device and its library's current stream."""
-    from .adapters import current_stream
+    from .adapters import current_stream, stream_handle
 
     try:
         info = resolve(dst)
@@ -1177,10 +1189,12 @@ def _plain_copier(dst, site=None) -> DeviceCopier:
             f"{_label(site)}: destination must be device memory, got host memory {info.label}"
         )
     stream = current_stream(dst)
-    key = (
-        id(info.device),
-        id(stream) if stream is not None and not isinstance(stream, int) else stream,
-    )
+    # by handle: torch builds a new Stream object for the same stream on every call
+    try:
+        skey = stream_handle(stream) if stream is not None else None
+    except TypeError:
+        skey = id(stream)
+    key = (info.device if isinstance(info.device, int) else id(info.device), skey)
     with _plain_lock:
         c = _plain.get(key)
         if c is None or c.closed:

@@ -126,3 +126,9 @@ def test_importing_kernels_does_not_import_cuda_python():
         "assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_compiling_leaves_the_interpreter_s_shared_bytes_alone(nvrtc):
+    """NVRTC writes into the log buffer: it must never be an interned one-byte bytes."""
+    kernels.compile_ptx("sm_90")
+    assert bytes([32])[0] == 32 and (b" " * 1)[0] == 32

@@ -99,14 +99,16 @@ def compile_ptx(
     try:
         result = nvrtc.nvrtcCompileProgram(prog, len(opts), [o.encode() for o in opts])
         size = _check(nvrtc, nvrtc.nvrtcGetProgramLogSize(prog), "log size")
-        buf = b" " * size
+        # NVRTC writes into this object: it must be a fresh one, never an interned
+        # one-byte bytes that the whole interpreter shares (``b" " * 1`` is one)
+        buf = bytes(size + 64)
         _check(nvrtc, nvrtc.nvrtcGetProgramLog(prog, buf), "log")
         log = buf.rstrip(b"\x00").decode(errors="replace").strip()
         _check(nvrtc, result, f"compile of {name} for {arch} ({' '.join(opts)})", log)
         if _WARNING.search(log):
             raise RuntimeError(f"NVRTC compile of {name} for {arch} produced warnings:\n{log}")
         size = _check(nvrtc, nvrtc.nvrtcGetPTXSize(prog), "PTX size")
-        buf = b" " * size
+        buf = bytes(size + 64)
         _check(nvrtc, nvrtc.nvrtcGetPTX(prog, buf), "PTX")
         return buf.rstrip(b"\x00").decode()
     finally:

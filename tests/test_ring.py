@@ -1,0 +1,262 @@
+"""StagingRing: slots, growth, and resource hygiene (pinned and device memory come back)."""
+
+from __future__ import annotations
+
+import gc
+import os
+
+import numpy as np
+import pytest
+
+import cucopy as cc
+
+SOAK = os.environ.get("CUCOPY_SOAK", "") not in ("", "0")
+
+
+class Site(cc.CopySite):
+    POS = cc.H2D
+    PLAIN = cc.H2D
+    GATHER = cc.D2D
+    TAIL = cc.FILL
+
+
+PLAN = cc.CopyPlan(merge={Site.POS, Site.GATHER, Site.TAIL}, flush_after=set())
+
+
+def live(dev) -> tuple[int, int]:
+    """Live pinned buffers and device allocations of a sim device."""
+    return len(dev._pinned), len(dev._allocs)
+
+
+def busy_steps(c, dev, n=6):
+    """Steps that use every kind of ring memory: merged data, eager snapshots in the slot,
+    temporary pinned buffers (too big for the slot), device temporaries (overlapping D2D)."""
+    a = dev.empty((64,), np.int32)
+    big = dev.empty((4096,), np.int32)
+    for i in range(n):
+        with c.step():
+            c.copy(Site.POS, a[:16], np.full(16, i, np.int32))
+            c.copy(Site.PLAIN, a[16:32], np.full(16, i + 1, np.int32))
+            c.copy(Site.POS, big, np.full(4096, i, np.int32))  # 16 KiB: past a 4 KiB slot
+            c.copy(Site.GATHER, a[33:49], a[32:48])  # overlaps its source: a device temporary
+            c.fill_tail(Site.TAIL, a, 60, -1)
+    return a, big
+
+
+# -- close and context manager ----------------------------------------------------------------
+
+
+def test_ring_close_releases_pinned_and_device_memory(sim_env):
+    dev = sim_env.dev
+    before = live(dev)
+    c = sim_env.copier(PLAN, slots=3, capacity=4096)
+    arrays = busy_steps(c, dev)
+    after_arrays = (before[0], before[1] + len(arrays))
+    assert live(dev)[0] > before[0] and live(dev)[1] > after_arrays[1]
+    c.close()
+    assert c.closed
+    assert live(dev) == after_arrays
+    assert c._ring.pinned_bytes() == 0
+    a, big = arrays
+    assert sim_env.to_host(big).tolist() == [5] * 4096  # close waited; nothing freed early
+
+
+def test_ring_context_manager_releases_memory(sim_env):
+    dev = sim_env.dev
+    with sim_env.copier(PLAN, slots=2, capacity=4096) as c:
+        before = live(dev)
+        arrays = busy_steps(c, dev, n=3)
+        assert live(dev)[0] > before[0]
+    assert c.closed
+    assert live(dev) == (before[0], before[1] + len(arrays))
+
+
+def test_ring_close_flushes_staged_copies_and_waits(sim_env):
+    """close() in the middle of a step lands what is staged before freeing the slot."""
+    dev = sim_env.dev
+    a = dev.empty((8,), np.int32)
+    before = live(dev)
+    c = sim_env.copier(PLAN, slots=1, flush_mode="mapped")
+    c.begin()
+    c.copy(Site.POS, a, np.arange(8, dtype=np.int32))
+    c.close()
+    assert live(dev) == before
+    assert sim_env.to_host(a).tolist() == list(range(8))
+
+
+def test_ring_close_is_idempotent(sim_env):
+    dev = sim_env.dev
+    before = live(dev)
+    c = sim_env.copier(PLAN)
+    busy_steps(c, dev, n=1)
+    c.close()
+    c.close()
+    assert live(dev)[0] == before[0]
+
+
+def test_ring_finalizer_frees_an_unclosed_copier(sim_env):
+    dev = sim_env.dev
+    before = live(dev)
+    c = sim_env.copier(PLAN, slots=2, capacity=4096)
+    arrays = busy_steps(c, dev, n=3)
+    del c
+    gc.collect()
+    assert live(dev) == (before[0], before[1] + len(arrays))
+
+
+def test_ring_check_mode_frees_snapshots_of_discarded_copies(sim_env, check_mode):
+    dev = sim_env.dev
+    a = dev.empty((16,), np.int32)
+    c = sim_env.copier(PLAN, slots=2)
+    for _ in range(3):  # every slot allocated
+        with c.step():
+            c.copy(Site.POS, a, np.ones(16, np.int32))
+    before = live(dev)
+    for _ in range(10):
+        c.begin()
+        c.copy(Site.POS, a, np.ones(16, np.int32))
+        c.copy(Site.GATHER, a[8:], a[:8])
+        c.discard()
+    # snapshot copies may still be queued at discard: their buffers go with the
+    # slot and are freed when the ring comes back to it
+    for _ in range(2):
+        with c.step():
+            c.copy(Site.POS, a, np.ones(16, np.int32))
+    assert live(dev)[1] == before[1]
+
+
+def test_ring_check_mode_frees_snapshots_of_flushed_copies(sim_env, check_mode):
+    dev = sim_env.dev
+    a = dev.empty((16,), np.int32)
+    c = sim_env.copier(PLAN, slots=2)
+    for _ in range(3):  # every slot allocated
+        with c.step():
+            c.copy(Site.POS, a, np.ones(16, np.int32))
+    before = live(dev)
+    for i in range(10):
+        with c.step():
+            c.copy(Site.POS, a[:8], np.full(8, i, np.int32))
+            c.copy(Site.GATHER, a[8:], a[:8])
+            c.copy(Site.POS, a[:8], np.full(8, i, np.int32), unchanged=True)
+    assert live(dev)[1] == before[1]
+
+
+# -- a closed copier refuses work --------------------------------------------------------------
+
+
+def _closed_calls():
+    def copy(c, a):
+        c.copy(Site.POS, a, np.ones(4, np.int32))
+
+    def copy_d2d(c, a):
+        c.copy(Site.GATHER, a[:2], a[2:])
+
+    def fill(c, a):
+        c.fill_tail(Site.TAIL, a, 0, 1)
+
+    def unchanged(c, a):
+        c.copy(Site.POS, a, np.ones(4, np.int32), unchanged=True)
+
+    def begin(c, a):
+        c.begin()
+
+    def step(c, a):
+        with c.step():
+            pass
+
+    def flush(c, a):
+        c.flush()
+
+    def routed(c, a):
+        with c.activate():
+            cc.copy(Site.POS, a, np.ones(4, np.int32))
+
+    def routed_fill(c, a):
+        with c.activate():
+            cc.fill_tail(Site.TAIL, a, 1, 3)
+
+    def routed_flush(c, a):
+        with c.activate():
+            cc.flush()
+
+    return [copy, copy_d2d, fill, unchanged, begin, step, flush, routed, routed_fill, routed_flush]
+
+
+@pytest.mark.parametrize("call", _closed_calls(), ids=lambda f: f.__name__)
+def test_ring_closed_copier_refuses_work(sim_env, call):
+    dev = sim_env.dev
+    a = dev.empty((4,), np.int32)
+    c = sim_env.copier(PLAN)
+    with c.step():
+        c.copy(Site.POS, a, np.full(4, 9, np.int32))
+    c.close()
+    with pytest.raises(cc.CopyError, match="closed"):
+        call(c, a)
+    assert sim_env.to_host(a).tolist() == [9] * 4
+
+
+# -- bounded pinned memory over many steps ----------------------------------------------------------
+
+
+def test_ring_pinned_memory_stays_bounded_as_slots_grow_and_shrink(sim_env):
+    """Phases of big steps (slots grow) and small steps (they shrink back) many times over."""
+    steps = 10**5 if SOAK else 2 * 10**4
+    if sim_env.dev.policy != "lazy" and not SOAK:
+        steps //= 4  # lazy keeps the most slots in flight; the others are a lighter check
+    phase = 250  # longer than the ring's 64-step demand window, so slots shrink in between
+    dev = sim_env.dev
+    slots, capacity = 3, 4096
+    a = dev.empty((32,), np.int32)
+    big = dev.empty((6000,), np.int32)  # 24000 bytes: a 32 KiB slot holds it (64 KiB today)
+    small_src = np.arange(32, dtype=np.int32)
+    big_src = np.arange(6000, dtype=np.int32)
+    base_pinned, base_allocs = live(dev)
+    c = sim_env.copier(PLAN, slots=slots, capacity=capacity)
+    ring = c._ring
+    peak_bytes = peak_pinned = peak_allocs = 0
+    grown = shrunk = 0
+    prev = 0
+    for i in range(steps):
+        big_phase = (i // phase) % 2 == 0
+        with c.step():
+            small_src[0] = i
+            c.copy(Site.POS, a, small_src)
+            if big_phase and i % 2:
+                big_src[0] = i
+                c.copy(Site.POS, big, big_src)
+        now = ring.pinned_bytes()
+        grown += now > prev
+        shrunk += now < prev
+        prev = now
+        peak_bytes = max(peak_bytes, now)
+        p, d = live(dev)
+        peak_pinned = max(peak_pinned, p - base_pinned)
+        peak_allocs = max(peak_allocs, d - base_allocs)
+    assert sim_env.to_host(a)[0] == steps - 1
+    assert sim_env.to_host(big)[0] == max(
+        i for i in range(steps) if (i // phase) % 2 == 0 and i % 2
+    )
+    # grew in every big phase and shrank back in every small one
+    phases = steps // phase
+    assert grown >= phases // 2 and shrunk >= phases // 2 - 1
+    assert peak_bytes <= slots * 65536
+    assert ring.pinned_bytes() == slots * capacity  # the last phase is small
+    # each slot: one pinned buffer and one device staging buffer, plus at most one
+    # temporary snapshot per slot while a big step overflows it
+    assert peak_pinned <= 2 * slots
+    assert peak_allocs <= slots
+    c.close()
+    assert live(dev) == (base_pinned, base_allocs)
+
+
+def test_ring_grows_once_for_an_overflowing_copy(sim_env):
+    dev = sim_env.dev
+    big = dev.empty((6000,), np.int32)  # 24000 bytes
+    c = sim_env.copier(PLAN, slots=1, capacity=4096)
+    with c.step():
+        c.copy(Site.POS, big, np.arange(6000, dtype=np.int32))
+    assert c.stats.sites[Site.POS].fallback["slot_full"] == 1
+    with c.step():
+        c.copy(Site.POS, big, np.arange(6000, dtype=np.int32))
+    assert c.stats.sites[Site.POS].merged == 1  # the grown slot holds it
+    assert c._ring.pinned_bytes() == 32768  # 24000 bytes plus a header: the next power of two
