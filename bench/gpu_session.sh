@@ -124,7 +124,14 @@ else
     skip backend_calls "bench/backend_calls.py is absent"
 fi
 
-step bench 200 "$PY" -m bench --out "$work/bench/results"
+# shellcheck disable=SC2086  # BENCH_ARGS is a list of options
+step bench 200 "$PY" -m bench --out "$work/bench/results" ${BENCH_ARGS:-}
+
+step hot_path 40 env PYTHONPATH=. "$PY" bench/hot_path.py --n 32
+for ex in examples/*.py; do
+    [[ -f "$ex" ]] || continue
+    step "example_$(basename "$ex" .py)" 60 env PYTHONPATH=. "$PY" "$ex"
+done
 
 # -- summary ---------------------------------------------------------------------------------
 {
