@@ -404,7 +404,11 @@ def copier_ops(ctx, copier, flush_mode: str) -> float | None:
     if flush_mode == "mapped":
         per_segment = 1
     elif flush_mode == "auto" and st.segments:
-        per_segment = 1 if st.bytes_staged / st.segments <= ctx.mapped_threshold() else 2
+        from cucopy.copier import _MAPPED_MAX_DESCS
+
+        merged = sum(s.merged for s in st.sites.values())
+        small = st.bytes_staged / st.segments <= ctx.mapped_threshold()
+        per_segment = 1 if small and merged / st.segments <= _MAPPED_MAX_DESCS else 2
     return (st.segments * per_segment + eager) / st.steps
 
 
