@@ -1108,7 +1108,17 @@ class DeviceCopier:
 _active: contextvars.ContextVar = contextvars.ContextVar("cucopy_active_copier", default=None)
 
 
+_patterns: dict = {}
+
+
 def _pattern(site, dtype, value) -> bytes:
+    """The bytes of ``value`` as one element of ``dtype`` (checked to be exact)."""
+    # int fills (-1, 0) repeat every step; converting through NumPy costs microseconds
+    key = (dtype, value) if type(value) is int else None
+    if key is not None:
+        hit = _patterns.get(key)
+        if hit is not None:
+            return hit
     try:
         with np.errstate(over="raise", invalid="raise"):
             arr = np.asarray(value)
@@ -1121,7 +1131,10 @@ def _pattern(site, dtype, value) -> bytes:
         raise ValueError(
             f"{_label(site)}: fill value {value!r} does not fit dtype {dtype} ({exc})"
         ) from None
-    return cast.tobytes()
+    out = cast.tobytes()
+    if key is not None and len(_patterns) < 4096:
+        _patterns[key] = out
+    return out
 
 
 def _snapshot(buf, off, s, nbytes) -> None:

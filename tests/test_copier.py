@@ -433,3 +433,17 @@ def test_the_destination_cache_keeps_nothing_alive():
     del a
     gc.collect()
     assert ref() is None
+
+
+def test_fill_values_convert_exactly_every_time(env):
+    c = env.copier(PLAN)
+    a = env.empty((4,), np.float32)
+    b = env.empty((4,), np.int8)
+    for _ in range(2):  # the second round is served from the conversion cache
+        with c.step():
+            c.fill_tail(Site.TAIL, a, 0, -1)
+            c.fill_tail(Site.TAIL, b, 0, -1)
+        assert env.to_host(a).tolist() == [-1.0] * 4
+        assert env.to_host(b).tolist() == [-1] * 4
+        with pytest.raises(ValueError, match="fill value 300 does not fit dtype int8"):
+            c.fill_tail(Site.TAIL, b, 0, 300)
