@@ -593,32 +593,8 @@ class DeviceCopier:
         nbytes = rows * width
         lo, hi = ptr, ptr + (rows - 1) * pitch + width  # a form's strides are positive
         kind = pack.KIND_H2D if rows == 1 else pack.KIND_H2D_2D
-        entries = self._entries
-        # fast path: room in the slot and no overlap with anything staged
-        if self._seg >= 0 and not (
-            entries and (self._writes.overlaps(lo, hi) or self._reads.overlaps(lo, hi))
-        ):
-            off = (self._cursor + 15) & -16
-            grow = len(self._descs) + 2 - self._reserve
-            if off + nbytes + (grow * pack.DESC_BYTES + 16 if grow > 0 else 0) <= self._slot.top:
-                index = len(self._descs)
-                self._descs.append((ptr, off, 0, pitch, width, width, rows, kind, 0, 0))
-                e = _Entry(site, [on_drop] if on_drop is not None else None, lo, hi, index)
-                e.geom = f
-                self._exact[(lo, hi)] = len(entries)
-                entries.append(e)
-                self._writes.add(lo, hi)
-                host = s.host
-                try:  # a typed memoryview assignment is the cheapest byte copy from Python
-                    self._slot.mv[off : off + nbytes] = host.data.cast("B")
-                except (TypeError, ValueError, NotImplementedError, BufferError):
-                    _snapshot(self._slot.array, off, s, nbytes)
-                self._cursor = off + nbytes
-                if self._checker is not None:
-                    self._checker.on_stage(e, d, None)
-                if site in self._barriers:
-                    self._flush_segment()
-                return True
+        if self._append_h2d(site, on_drop, f, lo, hi, nbytes, kind, s.host):
+            return True
         e, off = self._stage(
             site,
             on_drop,
@@ -672,17 +648,28 @@ class DeviceCopier:
     def _stage_known(self, site, ent, src, on_drop) -> bool:
         """Stage a NumPy source into a cached destination; False leaves it to the full path."""
         _, _, _, f, lo, hi, nbytes, dtype, size, kind = ent
-        if src.dtype != dtype or src.size != size or self._seg < 0:
+        if src.dtype != dtype or src.size != size:
             return False
+        return self._append_h2d(site, on_drop, f, lo, hi, nbytes, kind, src)
+
+    def _append_h2d(self, site, on_drop, f, lo, hi, nbytes, kind, host) -> bool:
+        """Stage ``host``'s bytes into the open segment: the common case, kept lean.
+
+        Returns False, having changed nothing, when there is no open segment, the
+        bytes do not fit, they overlap anything staged, or ``host`` is not
+        C-contiguous; the general path then takes the copy.
+        """
         entries = self._entries
-        if entries and (self._writes.overlaps(lo, hi) or self._reads.overlaps(lo, hi)):
+        if self._seg < 0 or (
+            entries and (self._writes.overlaps(lo, hi) or self._reads.overlaps(lo, hi))
+        ):
             return False
         off = (self._cursor + 15) & -16
         grow = len(self._descs) + 2 - self._reserve
         if off + nbytes + (grow * pack.DESC_BYTES + 16 if grow > 0 else 0) > self._slot.top:
             return False
         try:  # a typed memoryview assignment is the cheapest byte copy from Python
-            self._slot.mv[off : off + nbytes] = src.data.cast("B")
+            self._slot.mv[off : off + nbytes] = host.data.cast("B")
         except (TypeError, ValueError, NotImplementedError, BufferError):
             return False
         ptr, rows, width, pitch = f
@@ -694,6 +681,8 @@ class DeviceCopier:
         entries.append(e)
         self._writes.add(lo, hi)
         self._cursor = off + nbytes
+        if self._checker is not None:
+            self._checker.on_stage(e, None, None)
         if site in self._barriers:
             self._flush_segment()
         return True
