@@ -572,8 +572,9 @@ class DeviceCopyBuffer:
         key : hashable, optional
             Names the record, as in :meth:`update`.
         site : CopySite, optional
-            The ``FILL`` site to issue through; None uses the buffer's site,
-            which must then be a ``FILL`` site (or None for a record-only buffer).
+            The ``FILL`` site to issue through. None uses the buffer's site: a
+            ``FILL`` site fills in place, an ``H2D`` site uploads the tail's values
+            (contiguous destinations only), None keeps a record only.
 
         Returns
         -------
@@ -584,17 +585,13 @@ class DeviceCopyBuffer:
         Raises
         ------
         ValueError
-            No ``FILL`` site, a bad ``start`` or ``value``, or a bad ``view``.
+            An H2D site with a strided destination, a bad ``start`` or ``value``,
+            or a bad ``view``.
         CopyError
             In check mode, a skip whose bytes are not on the device.
         """
         if site is None:
-            site = self.site
-            if site is not None and site.direction is not Direction.FILL:
-                raise ValueError(
-                    f"{self._label}: fill_tail needs a FILL site; this buffer's site "
-                    "is H2D: pass fill_tail(..., site=<a FILL site>)"
-                )
+            site = self.site  # an H2D site uploads the tail's values instead
         elif (
             not isinstance(site, CopySite) or getattr(site, "direction", None) is not Direction.FILL
         ):
@@ -612,15 +609,33 @@ class DeviceCopyBuffer:
             dst = view
         it = v.dtype.itemsize
         pattern = _copier._pattern(site if site is not None else self._name, v.dtype, value)
+        if site is not None and site.direction is not Direction.FILL:
+            f = _layout.form(v.ptr, v.shape, v.strides, it)
+            if f is None or f[1] != 1:
+                raise ValueError(
+                    f"{site.label}: fill_tail through an H2D site needs a contiguous "
+                    f"destination, got {v.label}: pass fill_tail(..., site=<a FILL site>)"
+                )
+
+        def issue(unchanged=False):
+            if site.direction is Direction.FILL:
+                return _copier.fill_tail(
+                    site, dst, start, value, unchanged=unchanged, on_drop=self.invalidate
+                )
+            # the tail's values, uploaded through the buffer's own H2D site
+            tail = np.frombuffer(pattern * (v.size - start), dtype=v.dtype)
+            flat = dst.reshape(-1)[start:]
+            return _copier.copy(site, flat, tail, unchanged=unchanged, on_drop=self.invalidate)
+
         if start >= v.size:
             if site is None:
                 return False
-            return _copier.fill_tail(site, dst, start, value)
+            return issue() if site.direction is Direction.FILL else False
         if is_capturing(dst):
             self.invalidate()
             if site is None:
                 return True
-            return _copier.fill_tail(site, dst, start, value)
+            return issue()
         slot = (key, geom)
         rec = self._fills.get(slot)
         same = rec is not None and rec.pattern == pattern and rec.start <= start
@@ -632,16 +647,14 @@ class DeviceCopyBuffer:
                     check.verify_bytes(c.backend, c.stream, self._name, v, want, start)
                 return False
         elif same:
-            _copier.fill_tail(site, dst, start, value, unchanged=True, on_drop=self.invalidate)
+            issue(unchanged=True)
             return False
         region = _region(v.ptr, v.shape, v.strides, it, start)
         f = _layout.form(v.ptr, v.shape, v.strides, it)
         dense = (v.ptr, v.size) if f is not None and f[1] == 1 else None
         self._fills.pop(slot, None)
         self._written(region)
-        if site is not None and not _copier.fill_tail(
-            site, dst, start, value, on_drop=self.invalidate
-        ):
+        if site is not None and not issue():
             return False
         self._fills[slot] = _Fill(start, pattern, region, dense)
         return True

@@ -246,10 +246,25 @@ def test_tail_of_a_view_and_of_a_fill_only_buffer(env):
         buf.update(i32(1))
 
 
-def test_fill_tail_needs_a_fill_site(env):
-    buf = cc.DeviceCopyBuffer(env.empty((4,)), site=Site.LENS)
-    with pytest.raises(ValueError, match=r"Site\.LENS: fill_tail needs a FILL site"):
-        buf.fill_tail(1, 0)
+def test_fill_tail_through_an_h2d_site_uploads_the_tail(env):
+    """DESIGN.md's buffer has an H2D site and calls fill_tail(start, value)."""
+    c = env.copier(PLAN)
+    t = env.empty((6,))
+    buf = cc.DeviceCopyBuffer(t, site=Site.LENS)
+    with c.activate():
+        with c.step():
+            assert buf.update(i32(1, 2, 3, 4, 5, 6)) is True
+            assert buf.fill_tail(4, -1) is True
+        assert env.to_host(t).tolist() == [1, 2, 3, 4, -1, -1]
+        with c.step():
+            assert buf.fill_tail(4, -1) is False  # recorded: skipped
+            assert buf.fill_tail(5, -1) is False  # inside the recorded tail
+            assert buf.update(i32(1, 2, 3, 4)) is False  # the prefix record survived
+    assert c.stats.sites[Site.LENS].merged == 2
+    assert c.stats.sites[Site.LENS].skipped == 3
+    strided = env.empty((4, 4))[:, :2]
+    with pytest.raises(ValueError, match=r"Site\.LENS: fill_tail through an H2D site needs"):
+        cc.DeviceCopyBuffer(strided, site=Site.LENS).fill_tail(1, 0)
     with pytest.raises(ValueError, match=r"fill_tail\(site=\.\.\.\) takes a FILL CopySite"):
         buf.fill_tail(1, 0, site=Site.TABLE)
     with pytest.raises(ValueError, match=r"Site\.PAD: fill value 300 does not fit dtype int8"):
