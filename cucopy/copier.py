@@ -609,8 +609,12 @@ class DeviceCopier:
             return self._eager_h2d(site, d, s, "slot_full")
         _snapshot(self._slot.array, off, s, nbytes)
         self._cursor = off + nbytes
+        return self._landed_by_barrier(site, e, d, None)
+
+    def _landed_by_barrier(self, site, e, d, s) -> bool:
+        """After staging entry ``e``: check mode's snapshot, then the site's barrier."""
         if self._checker is not None:
-            self._checker.on_stage(e, d, None)
+            self._checker.on_stage(e, d, s)
         if site in self._barriers:
             self._flush_segment()
         return True
@@ -681,11 +685,7 @@ class DeviceCopier:
         entries.append(e)
         self._writes.add(lo, hi)
         self._cursor = off + nbytes
-        if self._checker is not None:
-            self._checker.on_stage(e, None, None)
-        if site in self._barriers:
-            self._flush_segment()
-        return True
+        return self._landed_by_barrier(site, e, None, None)
 
     def _capture_h2d(self, site, d, s) -> bool:
         pinned = s.pinned if s.pinned is not None else self._backend.is_pinned(s.ptr)
@@ -767,11 +767,7 @@ class DeviceCopier:
             return self._eager_d2d(site, d, s, "slot_full")
         e.slo, e.shi = slo, shi
         self._reads.add(slo, shi)
-        if self._checker is not None:
-            self._checker.on_stage(e, d, s)
-        if site in self._barriers:
-            self._flush_segment()
-        return True
+        return self._landed_by_barrier(site, e, d, s)
 
     def _capture_d2d(self, site, d, s) -> bool:
         pair = _pair(d, s)
@@ -848,11 +844,7 @@ class DeviceCopier:
         if e is None:
             return self._eager_fill(site, d, start, pattern, "slot_full")
         e.value = (start, pattern)
-        if self._checker is not None:
-            self._checker.on_stage(e, d, None)
-        if site in self._barriers:
-            self._flush_segment()
-        return True
+        return self._landed_by_barrier(site, e, d, None)
 
     def _capture_fill(self, site, d, start, pattern) -> bool:
         it = d.dtype.itemsize
