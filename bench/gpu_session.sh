@@ -116,6 +116,9 @@ else
         "$PY" bench/kernel_check.py "${mem_args[@]}"
     step racecheck 60 "$sanitizer" --tool racecheck --error-exitcode 99 \
         "$PY" bench/kernel_check.py "${race_args[@]}"
+    # the copier end to end (random programs, stalls, discards) under the memory checker
+    step memcheck_programs 120 "$sanitizer" --tool memcheck --error-exitcode 99 \
+        "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/test_properties_env.py -k "seed and 1"
 fi
 
 if [[ -n "${BACKEND_CALLS:-}" && -f bench/backend_calls.py ]]; then
