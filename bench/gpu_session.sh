@@ -118,7 +118,7 @@ else
         "$PY" bench/kernel_check.py "${race_args[@]}"
     # the copier end to end (random programs, stalls, discards) under the memory checker
     step memcheck_programs 120 "$sanitizer" --tool memcheck --error-exitcode 99 \
-        "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/test_properties_env.py -k "seed and 1"
+        "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/test_properties_env.py -k "match_the_model and cuda-1"
 fi
 
 if [[ -n "${BACKEND_CALLS:-}" && -f bench/backend_calls.py ]]; then
