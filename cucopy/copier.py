@@ -482,6 +482,7 @@ class DeviceCopier:
             and not self._capturing
             and self._checker is None
             and self._owner == _get_ident()
+            and (on_drop is None or callable(on_drop))
         ):
             ent = self._dcache.get(id(dst))
             if (

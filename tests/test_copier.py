@@ -447,3 +447,15 @@ def test_fill_values_convert_exactly_every_time(env):
         assert env.to_host(b).tolist() == [-1] * 4
         with pytest.raises(ValueError, match="fill value 300 does not fit dtype int8"):
             c.fill_tail(Site.TAIL, b, 0, 300)
+
+
+def test_a_cached_destination_still_refuses_a_non_callable_on_drop(env):
+    c = env.copier(PLAN)
+    a = env.empty((4,))
+    with c.step():
+        c.copy(Site.POS, a, np.ones(4, np.int32))  # first sight: the destination is cached
+    with c.step():
+        with pytest.raises(TypeError, match="Site.POS: on_drop must be callable, got 5"):
+            c.copy(Site.POS, a, np.full(4, 2, np.int32), on_drop=5)
+        c.copy(Site.POS, a, np.full(4, 3, np.int32))
+    assert env.to_host(a).tolist() == [3] * 4
