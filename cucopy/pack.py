@@ -83,9 +83,10 @@ KIND_FILL = 4
 KINDS = (KIND_H2D, KIND_H2D_2D, KIND_D2D, KIND_FILL)
 
 # One thread block per 256 sixteen-byte destination windows (a row touches
-# ceil(width / 16) + 1 of them at most): a 256 KiB table on 64 blocks takes 2.2 us
-# against 3.1 us on 16, and 4096 rows of 4 B take 2.5 us on 32 blocks against
-# 18.5 us on one (kernel author's H200 measurements).
+# ceil(width / 16) + 1 of them at most), so a large table and a tall table of tiny
+# rows are both spread over many blocks instead of one. The kernel's author timed
+# this on an H200 in a run that was not stored: re-measure with a stored run before
+# tuning it (bench/kernel_check.py builds such segments).
 THREADS = 256
 WINDOWS_PER_BLOCK = 256
 BLOCK_BYTES = WINDOWS_PER_BLOCK * 16

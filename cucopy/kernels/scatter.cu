@@ -368,15 +368,17 @@ static __device__ __forceinline__ void cucopy_run(const CucopyJob& j, cucopy_u64
 // read of the descriptor; (3) the data. The table is re-read by every block,
 // 48 bytes a descriptor: for mapped segments with many descriptors and many
 // blocks, "dma" mode (one bulk copy, then L2-resident reads) is cheaper.
-// Kernel time on an H200 (CUDA-graph launches, device memory / mapped):
-// one 4-byte copy 1.9 / 3.7 us; 8 x 4 B 2.1 / 5.8 us; 32 x 64 B 2.1 / 11.4 us;
-// 300 x 16 B 4.6 / 49 us; one 256 KiB table (16 blocks) 3.1 / 12.3 us.
+// Kernel time on an H200 (CUDA-graph launches, device memory / mapped), from a
+// development run that was not stored, so leads rather than results: one 4-byte
+// copy 1.9 / 3.7 us; 32 x 64 B 2.1 / 11.4 us; 300 x 16 B 4.6 / 49 us. The stored
+// step timings are in bench/results/2026-11-30-h200-run2.
 //
 // Blocks [block_start_i, block_start_{i+1}) share descriptor i; its windows
 // (rows x windows per row) are split evenly between them, so the kernel is
 // correct for any block count the host picks. Narrow 2-D copies have many
-// more windows than bytes / 16: 4096 rows of 4 bytes took 18.5 us on the one
-// block pack.blocks_for gives them, 3.9 us on 8 blocks and 2.5 us on 32.
+// more windows than bytes / 16, which is why pack.blocks_for counts windows
+// (in the same unstored run, 4096 rows of 4 bytes took 18.5 us on one block and
+// 2.5 us on 32).
 extern "C" __global__ void __launch_bounds__(CUCOPY_THREADS)
 cucopy_scatter(const unsigned char* __restrict__ seg)
 {
