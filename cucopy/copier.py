@@ -612,6 +612,14 @@ class DeviceCopier:
         self._cursor = off + nbytes
         return self._landed_by_barrier(site, e, d, None)
 
+    def _count_eager(self, site, reason) -> bool:
+        """Count an eager copy, with its fallback reason for a merged site."""
+        st = self.stats.sites[site]
+        st.eager += 1
+        if reason is not None:
+            st.fallback[reason] += 1
+        return True
+
     def _landed_by_barrier(self, site, e, d, s) -> bool:
         """After staging entry ``e``: check mode's snapshot, then the site's barrier."""
         if self._checker is not None:
@@ -704,11 +712,7 @@ class DeviceCopier:
         for ptr, rows, width, pitch in _layout.blocks(d.ptr, d.shape, d.strides, d.dtype.itemsize):
             self._backend.copy2d(True, ptr, pitch, s.ptr + off, width, width, rows, self._stream)
             off += rows * width
-        st = self.stats.sites[site]
-        st.eager += 1
-        if site in self._merge:
-            st.fallback["capture"] += 1
-        return True
+        return self._count_eager(site, "capture" if site in self._merge else None)
 
     def _eager_h2d(self, site, d, s, reason) -> bool:
         lo, hi = _layout.extent(d.ptr, d.shape, d.strides, d.dtype.itemsize)
@@ -722,11 +726,7 @@ class DeviceCopier:
             self._backend.copy2d(True, ptr, pitch, host_ptr + pos, width, width, rows, self._stream)
             pos += rows * width
         self._slot.dirty = True
-        st = self.stats.sites[site]
-        st.eager += 1
-        if reason is not None:
-            st.fallback[reason] += 1
-        return True
+        return self._count_eager(site, reason)
 
     def _eager_space(self, nbytes):
         """Pinned space for an eager snapshot: the slot's top, else a temporary buffer."""
@@ -779,11 +779,7 @@ class DeviceCopier:
             )
         (dptr, rows, width, dpitch), (sptr, _, _, spitch) = pair
         self._backend.copy2d(False, dptr, dpitch, sptr, spitch, width, rows, self._stream)
-        st = self.stats.sites[site]
-        st.eager += 1
-        if site in self._merge:
-            st.fallback["capture"] += 1
-        return True
+        return self._count_eager(site, "capture" if site in self._merge else None)
 
     def _eager_d2d(self, site, d, s, reason) -> bool:
         it = d.dtype.itemsize
@@ -813,11 +809,7 @@ class DeviceCopier:
                 be.copy2d(False, ptr, pitch, tmp.ptr + pos, width, width, rows, stream)
                 pos += rows * width
         self._slot.dirty = True
-        st = self.stats.sites[site]
-        st.eager += 1
-        if reason is not None:
-            st.fallback[reason] += 1
-        return True
+        return self._count_eager(site, reason)
 
     # -- fill ------------------------------------------------------------------------------
 
@@ -855,11 +847,7 @@ class DeviceCopier:
                 f"8-byte elements, got {d.label}"
             )
         self._issue_fill(d, start, pattern)
-        st = self.stats.sites[site]
-        st.eager += 1
-        if site in self._merge:
-            st.fallback["capture"] += 1
-        return True
+        return self._count_eager(site, "capture" if site in self._merge else None)
 
     def _issue_fill(self, d, start, pattern) -> None:
         it = d.dtype.itemsize
@@ -893,11 +881,7 @@ class DeviceCopier:
                 )
                 pos += rows * width
         self._slot.dirty = True
-        st = self.stats.sites[site]
-        st.eager += 1
-        if reason is not None:
-            st.fallback[reason] += 1
-        return True
+        return self._count_eager(site, reason)
 
     # -- outside a step -------------------------------------------------------------------
 
