@@ -117,8 +117,10 @@ else
     step racecheck 60 "$sanitizer" --tool racecheck --error-exitcode 99 \
         "$PY" bench/kernel_check.py "${race_args[@]}"
     # the copier end to end (random programs, stalls, discards) under the memory checker
-    step memcheck_programs 120 "$sanitizer" --tool memcheck --error-exitcode 99 \
-        "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/test_properties_env.py -k "match_the_model and cuda-1"
+    # (every seed; racecheck too, since the copier's kernels share memory within a block)
+    programs=(-m pytest -q -p no:cacheprovider -m gpu tests/test_properties_env.py -k "match_the_model and cuda")
+    step memcheck_programs 150 "$sanitizer" --tool memcheck --error-exitcode 99 "$PY" "${programs[@]}"
+    step racecheck_programs 150 "$sanitizer" --tool racecheck --error-exitcode 99 "$PY" "${programs[@]}"
 fi
 
 if [[ -n "${BACKEND_CALLS:-}" && -f bench/backend_calls.py ]]; then
