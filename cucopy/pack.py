@@ -93,6 +93,41 @@ BLOCK_BYTES = WINDOWS_PER_BLOCK * 16
 
 MAX_PITCH = (1 << 32) - 1
 
+# Carried segments (scatter.cu, cucopy_scatter_c*): a launch's parameter buffer is
+# CARRY_PREFIX bytes (the segment's address, the count of bytes carried, 4 reserved)
+# followed by up to one of CARRY_CAPACITIES bytes of the segment's start: at least
+# its header and whole descriptor table, or all of it. CARRY_ENTRY_POINTS names the
+# kernel for each capacity; the two largest need CUDA 12.1 or later (parameter
+# buffers over 4 KiB).
+CARRY_PREFIX = 16
+CARRY_CAPACITIES = (1008, 4080, 16368, 32736)
+CARRY_ENTRY_POINTS = (
+    "cucopy_scatter_c1k",
+    "cucopy_scatter_c4k",
+    "cucopy_scatter_c16k",
+    "cucopy_scatter_c32k",
+)
+
+
+def carry_capacity(nbytes: int, capacities=CARRY_CAPACITIES) -> int:
+    """The smallest capacity in ``capacities`` holding ``nbytes``; 0 when none does.
+
+    Parameters
+    ----------
+    nbytes : int
+        Leading segment bytes a launch is to carry.
+    capacities : sequence of int
+        Ascending capacities on offer (a backend may offer fewer).
+
+    Returns
+    -------
+    int
+    """
+    for cap in capacities:
+        if nbytes <= cap:
+            return cap
+    return 0
+
 assert HEADER_BYTES == 32 and DESC_BYTES == 48, "internal: wire format size changed"
 
 

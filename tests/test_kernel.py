@@ -80,14 +80,56 @@ def test_compiles_warning_free(nvrtc, arch):
 def test_source_is_packaged_text():
     src = kernels.source()
     for entry in kernels.ENTRY_POINTS:
-        assert f"{entry}(" in src
+        assert f"{entry}(" in src or f"CUCOPY_CARRIED_ENTRY({entry}," in src
     assert "struct CucopyHeader" in src and "struct CucopyDesc" in src
+
+
+def carry_asserts(capacities=pack.CARRY_CAPACITIES, prefix=pack.CARRY_PREFIX) -> str:
+    """``static_assert`` lines pinning each carried parameter buffer to pack.py."""
+    lines = []
+    for cap in capacities:
+        t = f"CucopyCarried<{cap}>"
+        lines.append(
+            f'static_assert(sizeof({t}) == {prefix + cap}, "{t}: size != {prefix + cap}");'
+        )
+        lines.append(
+            f'static_assert(CUCOPY_OFFSETOF({t}, bytes) == {prefix}, "{t}.bytes: offset != {prefix}");'
+        )
+    return "\n".join(lines) + "\n"
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_structs_match_pack_layout(nvrtc, arch):
-    code = _PRELUDE + kernels.source() + "\n" + layout_asserts()
+    code = _PRELUDE + kernels.source() + "\n" + layout_asserts() + carry_asserts()
     kernels.compile_ptx(arch, code=code, name="layout_check.cu")
+
+
+def test_carry_layout_check_is_not_vacuous(nvrtc):
+    code = _PRELUDE + kernels.source() + "\n" + carry_asserts(capacities=(1000,))
+    with pytest.raises(RuntimeError, match=r"CucopyCarried<1000>: size != 1016"):
+        kernels.compile_ptx("sm_90", code=code, name="layout_check.cu")
+
+
+def test_carry_entry_points_match_pack():
+    assert len(pack.CARRY_ENTRY_POINTS) == len(pack.CARRY_CAPACITIES)
+    assert list(pack.CARRY_CAPACITIES) == sorted(pack.CARRY_CAPACITIES)
+    src = kernels.source()
+    for name, cap in zip(pack.CARRY_ENTRY_POINTS, pack.CARRY_CAPACITIES):
+        assert f"CUCOPY_CARRIED_ENTRY({name}, {cap})" in src
+        assert name in kernels.ENTRY_POINTS
+        assert cap % pack.ALIGN == 0
+    # under CUDA's 32764-byte limit on a launch's parameters
+    assert pack.CARRY_PREFIX + pack.CARRY_CAPACITIES[-1] <= 32764
+
+
+def test_carry_capacity_picks_the_smallest_that_holds():
+    caps = pack.CARRY_CAPACITIES
+    assert pack.carry_capacity(1) == caps[0]
+    assert pack.carry_capacity(caps[0]) == caps[0]
+    assert pack.carry_capacity(caps[0] + 1) == caps[1]
+    assert pack.carry_capacity(caps[-1]) == caps[-1]
+    assert pack.carry_capacity(caps[-1] + 1) == 0
+    assert pack.carry_capacity(5000, caps[:2]) == 0
 
 
 def test_layout_check_is_not_vacuous(nvrtc):

@@ -1,7 +1,8 @@
 """CUDA C sources of cucopy's kernels and an NVRTC front end for checking them.
 
 ``scatter.cu`` holds ``cucopy_scatter`` (applies one segment, see
-:mod:`cucopy.pack`) and ``cucopy_fill``. The CUDA backend builds it with
+:mod:`cucopy.pack`), ``cucopy_scatter_c*`` (the same, with the segment's start
+carried in the launch's parameters) and ``cucopy_fill``. The CUDA backend builds it with
 ``cupy.RawModule(code=source(), options=("-std=c++17",))``; :func:`compile_ptx`
 compiles it with NVRTC through cuda-python, so CI (which has no GPU) can check
 that it compiles warning-free and that its structs match the wire format.
@@ -17,7 +18,14 @@ from importlib import resources
 __all__ = ["source", "compile_ptx", "ENTRY_POINTS", "NVRTC_OPTIONS"]
 
 #: The ``extern "C"`` kernels in ``scatter.cu``.
-ENTRY_POINTS = ("cucopy_scatter", "cucopy_fill")
+ENTRY_POINTS = (
+    "cucopy_scatter",
+    "cucopy_fill",
+    "cucopy_scatter_c1k",
+    "cucopy_scatter_c4k",
+    "cucopy_scatter_c16k",
+    "cucopy_scatter_c32k",
+)
 
 #: Options shared by every build of ``scatter.cu`` (the architecture is added
 #: per call). ``--display-error-number`` puts the diagnostic number in the log,

@@ -196,6 +196,18 @@ static __device__ __forceinline__ void cucopy_put(cucopy_u8* a, const unsigned (
     }
 }
 
+// One aligned 16-byte source word: segment bytes carried in the launch's
+// parameters are read with a generic load (they are not in global memory),
+// everything else through the read-only data path.
+template <bool kCarried>
+static __device__ __forceinline__ uint4 cucopy_load16(bool from_segment, cucopy_u64 addr)
+{
+    if (kCarried && from_segment) {
+        return *reinterpret_cast<const uint4*>(addr);
+    }
+    return __ldg(reinterpret_cast<const uint4*>(addr));
+}
+
 // Picks the i-th of the 8 words w0.x .. w1.w after skipping q (0..3) words.
 static __device__ __forceinline__ unsigned cucopy_pick(unsigned q, unsigned a, unsigned b,
                                                        unsigned c, unsigned d)
@@ -214,6 +226,11 @@ static __device__ __forceinline__ unsigned cucopy_pick(unsigned q, unsigned a, u
 // avoid that by placing data at the destination's offset modulo 16). D2D
 // sources take the same path when those words lie inside the source row, and
 // exact-size reads (cucopy_gather) at the row ends otherwise.
+//
+// kCarried: the job's segment sources lie in the launch's parameter buffer
+// (cucopy_scatter_c*), read with generic loads; otherwise in global memory
+// (device staging or mapped pinned memory), read through the read-only path.
+template <bool kCarried>
 static __device__ __forceinline__ void cucopy_run(const CucopyJob& j, cucopy_u64 first,
                                                   cucopy_u64 end, cucopy_u64 stride)
 {
@@ -291,14 +308,14 @@ static __device__ __forceinline__ void cucopy_run(const CucopyJob& j, cucopy_u64
             if (from_segment || (first_word >= rsrc && end_word <= rsrc + j.width)) {
                 sh[s] = (unsigned)(sb & 15ull);
                 if (need0) {
-                    const uint4 x = __ldg(reinterpret_cast<const uint4*>(s0));
+                    const uint4 x = cucopy_load16<kCarried>(from_segment, s0);
                     w0[s][0] = x.x;
                     w0[s][1] = x.y;
                     w0[s][2] = x.z;
                     w0[s][3] = x.w;
                 }
                 if (need1) {
-                    const uint4 x = __ldg(reinterpret_cast<const uint4*>(s0 + 16ull));
+                    const uint4 x = cucopy_load16<kCarried>(from_segment, s0 + 16ull);
                     w1[s][0] = x.x;
                     w1[s][1] = x.y;
                     w1[s][2] = x.z;
@@ -352,6 +369,28 @@ static __device__ __forceinline__ void cucopy_run(const CucopyJob& j, cucopy_u64
             }
         }
     }
+}
+
+// Block b's share of descriptor d, whose blocks run up to next_start;
+// segment offsets in d are relative to seg (an address in global memory, or in
+// the launch's parameter buffer when kCarried).
+template <bool kCarried>
+static __device__ __forceinline__ void cucopy_apply(const CucopyDesc& d, cucopy_u32 next_start,
+                                                    cucopy_u64 seg, cucopy_u32 b)
+{
+    const cucopy_u32 kind = d.kind;
+    CucopyJob j;
+    if (!cucopy_job_init(j, kind, d.dst, kind == CUCOPY_KIND_D2D ? d.src : seg + d.src, d.value,
+                         d.dst_pitch, d.src_pitch, d.width, d.rows, d.elem)) {
+        return;
+    }
+    const cucopy_u32 first_block = d.block_start;
+    const cucopy_u32 nb = next_start > first_block ? next_start - first_block : 1u;
+    const cucopy_u64 total = j.rows * j.ppr;
+    const cucopy_u64 per = (total + nb - 1u) / nb;
+    const cucopy_u64 begin = min(total, (cucopy_u64)(b - first_block) * per);
+    const cucopy_u64 end = min(total, begin + per);
+    cucopy_run<kCarried>(j, begin + threadIdx.x, end, CUCOPY_THREADS);
 }
 
 // Launch: grid = header.nblocks (the value pack.encode returns), block =
@@ -465,21 +504,7 @@ cucopy_scatter(const unsigned char* __restrict__ seg)
         next_start = s_head[0];
     }
 
-    const cucopy_u32 kind = d->kind;
-    CucopyJob j;
-    if (!cucopy_job_init(j, kind, d->dst,
-                         kind == CUCOPY_KIND_D2D ? d->src
-                                                 : reinterpret_cast<cucopy_u64>(seg) + d->src,
-                         d->value, d->dst_pitch, d->src_pitch, d->width, d->rows, d->elem)) {
-        return;
-    }
-    const cucopy_u32 first_block = d->block_start;
-    const cucopy_u32 nb = next_start > first_block ? next_start - first_block : 1u;
-    const cucopy_u64 total = j.rows * j.ppr;
-    const cucopy_u64 per = (total + nb - 1u) / nb;
-    const cucopy_u64 begin = min(total, (cucopy_u64)(b - first_block) * per);
-    const cucopy_u64 end = min(total, begin + per);
-    cucopy_run(j, begin + t, end, CUCOPY_THREADS);
+    cucopy_apply<false>(*d, next_start, reinterpret_cast<cucopy_u64>(seg), b);
 }
 
 // Standalone fill of `rows` rows of `width` bytes, `dpitch` apart, with the
@@ -498,5 +523,88 @@ cucopy_fill(unsigned char* dst, unsigned long long dpitch, unsigned int width,
         return;
     }
     const cucopy_u64 stride = (cucopy_u64)gridDim.x * CUCOPY_THREADS;
-    cucopy_run(j, (cucopy_u64)blockIdx.x * CUCOPY_THREADS + threadIdx.x, j.rows * j.ppr, stride);
+    cucopy_run<false>(j, (cucopy_u64)blockIdx.x * CUCOPY_THREADS + threadIdx.x, j.rows * j.ppr,
+                      stride);
 }
+
+// -- segments carried in the launch's parameters ------------------------------------
+//
+// cucopy_scatter_c<CAP>: the same segment format, but the launch's parameter
+// buffer carries the segment's first `nbytes` bytes (at least the header and
+// the whole descriptor table), copied by the driver when the launch is
+// enqueued. A block then finds its descriptor without touching memory; in
+// "mapped" mode the data is the only PCIe read left (one round trip instead of
+// three). When nbytes covers the whole segment the data travels too and the
+// kernel reads no staging memory at all ("inline" mode). The parameter buffer
+// is snapshotted at enqueue, so the host may rewrite the pinned slot at once.
+//
+// Parameter layout (CucopyCarried<CAP>, 16 + CAP bytes): the segment's address
+// (where bytes past nbytes are read from), nbytes, 4 reserved bytes, then the
+// bytes. The host passes the buffer through CU_LAUNCH_PARAM_BUFFER_POINTER and
+// picks the smallest CAP that holds what it carries: the driver copies all
+// 16 + CAP bytes of each launch. Buffers over 4 KiB need CUDA 12.1 or later.
+#define CUCOPY_CARRY_PREFIX 16u
+
+template <unsigned CAP>
+struct __align__(16) CucopyCarried {
+    cucopy_u64 seg;
+    cucopy_u32 nbytes;
+    cucopy_u32 reserved;
+    cucopy_u8 bytes[CAP];
+};
+
+template <unsigned CAP>
+static __device__ __forceinline__ void cucopy_scatter_carried(const CucopyCarried<CAP>& p)
+{
+    const cucopy_u32 b = blockIdx.x;
+    const cucopy_u32 have = p.nbytes;
+    if (have < CUCOPY_HEADER_BYTES || have > CAP) {
+        return;
+    }
+    const CucopyHeader& h = *reinterpret_cast<const CucopyHeader*>(p.bytes);
+    const cucopy_u32 n = h.ndesc;
+    const cucopy_u32 nblocks = h.nblocks;
+    const cucopy_u32 doff = h.desc_offset;
+    if (h.magic != CUCOPY_MAGIC || h.version != CUCOPY_VERSION || (doff & 15u) != 0u
+        || doff < CUCOPY_HEADER_BYTES || n == 0u || b >= nblocks
+        || (cucopy_u64)doff + (cucopy_u64)n * CUCOPY_DESC_BYTES > have) {
+        return;  // not a segment pack.encode wrote, or its table did not travel whole
+    }
+    const CucopyDesc* table = reinterpret_cast<const CucopyDesc*>(p.bytes + doff);
+    if (table[0].block_start > b) {
+        return;
+    }
+    // The owner: the last descriptor whose block_start <= b. Every thread of
+    // the block searches the same entries (uniform constant-bank reads).
+    cucopy_u32 lo = 0u, hi = n;
+    while (hi - lo > 1u) {
+        const cucopy_u32 mid = (lo + hi) >> 1;
+        if (table[mid].block_start <= b) {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    const cucopy_u32 next_start = lo + 1u < n ? table[lo + 1u].block_start : nblocks;
+    if (h.total_bytes <= have) {
+        cucopy_apply<true>(table[lo], next_start, reinterpret_cast<cucopy_u64>(p.bytes), b);
+    } else {
+        cucopy_apply<false>(table[lo], next_start, p.seg, b);
+    }
+}
+
+// One entry point per capacity (pack.CARRY_CAPACITIES): 1, 4, 16 and 32 KiB
+// parameter buffers, the last just under CUDA's 32764-byte limit.
+#define CUCOPY_CARRIED_ENTRY(NAME, CAP)                                               \
+    extern "C" __global__ void __launch_bounds__(CUCOPY_THREADS)                      \
+    NAME(const __grid_constant__ CucopyCarried<CAP> p)                                \
+    {                                                                                 \
+        cucopy_scatter_carried<CAP>(p);                                               \
+    }
+
+CUCOPY_CARRIED_ENTRY(cucopy_scatter_c1k, 1008)
+CUCOPY_CARRIED_ENTRY(cucopy_scatter_c4k, 4080)
+#if __CUDACC_VER_MAJOR__ > 12 || (__CUDACC_VER_MAJOR__ == 12 && __CUDACC_VER_MINOR__ >= 1)
+CUCOPY_CARRIED_ENTRY(cucopy_scatter_c16k, 16368)
+CUCOPY_CARRIED_ENTRY(cucopy_scatter_c32k, 32736)
+#endif
