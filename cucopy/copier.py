@@ -22,13 +22,14 @@ __all__ = ["DeviceCopier", "copy", "fill_tail", "flush", "active_copier"]
 
 _H2D, _D2D, _FILL = Direction.H2D, Direction.D2D, Direction.FILL
 _get_ident = threading.get_ident
-FLUSH_MODES = ("auto", "dma", "mapped")
+FLUSH_MODES = ("auto", "dma", "mapped", "inline")
 _EMPTY_PLAN = CopyPlan()
 _FILL_ELEMS = (1, 2, 4, 8)
 _DCACHE_MAX = 4096
-# "auto" reads a segment from mapped memory only while every block's descriptor
-# reads stay few: on the H200, 8 and 32 descriptors ran 10.1 and 13.5 us mapped
-# against 20.4 us through an upload; 128 ran 38.6 mapped against 20.7
+# Without a carried header and table (a backend that carries nothing), "auto"
+# reads a segment from mapped memory only while every block's descriptor reads
+# stay few: on the H200, 8 and 32 descriptors ran 10.1 and 13.5 us mapped against
+# 20.4 us through an upload; 128 ran 38.6 mapped against 20.7
 # (bench/results/2026-11-30-h200-run1, step_cost).
 _MAPPED_MAX_DESCS = 64
 
@@ -147,10 +148,14 @@ class DeviceCopier:
     capacity : int
         Bytes of one slot; a step that overflows it runs the rest eagerly and
         the ring grows the slot at the next :meth:`begin`.
-    flush_mode : {"auto", "dma", "mapped"}
+    flush_mode : {"auto", "dma", "mapped", "inline"}
         How a segment reaches the scatter kernel: uploaded with one H2D copy
-        (``dma``), read from mapped pinned memory (``mapped``), or chosen by
-        segment size (``auto``).
+        (``dma``), read from mapped pinned memory (``mapped``), carried whole in
+        the launch's parameters (``inline``), or chosen by segment size
+        (``auto``). ``mapped`` carries the header and descriptor table in the
+        launch when they fit, so the kernel's only read of host memory is the
+        data; ``inline`` falls back to ``auto`` for a segment larger than the
+        backend's largest parameter buffer (32 KiB on CUDA 12.1 or later).
 
     Raises
     ------
@@ -187,6 +192,9 @@ class DeviceCopier:
         self._handle = self._stream if isinstance(self._stream, int) else None
         self.flush_mode = flush_mode
         self._mapped_max = self._backend.mapped_threshold()
+        caps = self._backend.carry_capacities()
+        self._carry_max = caps[-1] if caps else 0
+        self._inline_max = self._carry_max
         self._ring = StagingRing(self._backend, slots, capacity)
         self.stats = CopyStats()
         self._closed = False
@@ -1028,11 +1036,25 @@ class DeviceCopier:
             # H2D rows carry slot offsets; the wire format wants segment offsets
             nblocks = pack.encode(slot.mv[seg:data0], descs, data0 - seg, end - seg, shift - seg)
             total = end - seg
+            head = data0 - seg  # header and descriptor table
             be = self._backend
-            if self.flush_mode == "mapped" or (
-                self.flush_mode == "auto" and total <= self._mapped_max and n <= _MAPPED_MAX_DESCS
+            mode = self.flush_mode
+            cmax = self._carry_max
+            pin = slot.pinned
+            if (
+                mode == "inline" or (mode == "auto" and total <= self._inline_max)
+            ) and total <= cmax:
+                # the whole segment travels in the launch: nothing read at run time
+                be.scatter(pin.device_ptr + seg, nblocks, self._stream, True, total, pin.ptr + seg)
+                how = "inline"
+            elif mode == "mapped" or (
+                mode != "dma"
+                and total <= self._mapped_max
+                and (head <= cmax or n <= _MAPPED_MAX_DESCS)
             ):
-                be.scatter(slot.pinned.device_ptr + seg, nblocks, self._stream, True)
+                carry = head if head <= cmax else 0
+                be.scatter(pin.device_ptr + seg, nblocks, self._stream, True, carry, pin.ptr + seg)
+                how = "mapped"
             else:
                 be.copy2d(
                     True,
@@ -1045,6 +1067,7 @@ class DeviceCopier:
                     self._stream,
                 )
                 be.scatter(slot.staging.ptr + seg, nblocks, self._stream, False)
+                how = "dma"
         except BaseException as exc:
             self._reset_segment()
             self._cursor = end
@@ -1064,6 +1087,7 @@ class DeviceCopier:
         self._cursor = end
         st = self.stats
         st.segments += 1
+        st.modes[how] += 1
         st.bytes_staged += end - seg
         sites = st.sites
         for e in entries:

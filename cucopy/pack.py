@@ -128,6 +128,7 @@ def carry_capacity(nbytes: int, capacities=CARRY_CAPACITIES) -> int:
             return cap
     return 0
 
+
 assert HEADER_BYTES == 32 and DESC_BYTES == 48, "internal: wire format size changed"
 
 

@@ -65,6 +65,10 @@ class CopyStats:
         Times the host waited for a ring slot still in flight.
     eager_flushes : int
         Segments closed before their barrier to keep program order.
+    modes : dict
+        Segments by how they reached the kernel: ``"dma"`` (uploaded),
+        ``"mapped"`` (read from mapped pinned memory) and ``"inline"`` (carried
+        whole in the launch's parameters).
     """
 
     def __init__(self):
@@ -74,6 +78,7 @@ class CopyStats:
         self.bytes_staged = 0
         self.host_waits = 0
         self.eager_flushes = 0
+        self.modes = {"dma": 0, "mapped": 0, "inline": 0}
 
     def reset(self) -> None:
         """Zero every counter."""
@@ -87,13 +92,15 @@ class CopyStats:
             "bytes_staged": self.bytes_staged,
             "host_waits": self.host_waits,
             "eager_flushes": self.eager_flushes,
+            "modes": dict(self.modes),
             "sites": {s.label: v.as_dict() for s, v in self.sites.items()},
         }
 
     def __str__(self) -> str:
         lines = [
             f"steps={self.steps} segments={self.segments} bytes_staged={self.bytes_staged} "
-            f"host_waits={self.host_waits} eager_flushes={self.eager_flushes}",
+            f"host_waits={self.host_waits} eager_flushes={self.eager_flushes} "
+            + " ".join(f"{k}={n}" for k, n in self.modes.items()),
             f"{'site':32} {'merged':>8} {'eager':>8} {'skipped':>8} {'checked':>8}  fallback",
         ]
         for site, v in sorted(self.sites.items(), key=lambda kv: kv[0].label):

@@ -177,7 +177,7 @@ CASES = [
         "copier_flush_mode_unknown",
         lambda k: k.env.copier(PLAN, flush_mode="fast"),
         ValueError,
-        r"flush_mode: expected one of \('auto', 'dma', 'mapped'\), got 'fast'",
+        r"flush_mode: expected one of \('auto', 'dma', 'mapped', 'inline'\), got 'fast'",
     ),
     case(
         "copier_backend_unknown",

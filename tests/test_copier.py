@@ -276,7 +276,7 @@ def test_d2d_between_views(env):
     assert c.stats.sites[Site.GATHER].merged == 2
 
 
-@pytest.mark.parametrize("mode", ["dma", "mapped", "auto"])
+@pytest.mark.parametrize("mode", ["dma", "mapped", "auto", "inline"])
 def test_flush_modes_agree(env, mode):
     c = env.copier(PLAN, flush_mode=mode)
     a = env.empty((3000,))

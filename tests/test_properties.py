@@ -45,7 +45,7 @@ from cucopy.backends.sim import SimDevice
 SOAK = os.environ.get("CUCOPY_SOAK", "") not in ("", "0")
 
 DTYPES = tuple(np.dtype(t) for t in (np.int8, np.int16, np.int32, np.int64, np.float32))
-FLUSH_MODES = ("auto", "dma", "mapped")
+FLUSH_MODES = ("auto", "dma", "mapped", "inline")
 # two small arrays so that views collide often, one large enough for 64 KiB copies
 BASES = (4096, 4096, 81920)
 POOL = 2 * 65536 + 64  # host source pools: room for a 64 KiB source at stride 2

@@ -52,9 +52,9 @@ def _view(rng, arr, model):
     return a2, m2
 
 
-def _run(env, seed, steps):
+def _run(env, seed, steps, flush_mode="auto"):
     rng = np.random.default_rng(seed)
-    c = env.copier(PLAN, slots=SLOTS, capacity=8192)
+    c = env.copier(PLAN, slots=SLOTS, capacity=8192, flush_mode=flush_mode)
     arrs = [env.empty((N,)), env.empty((N,))]
     model = [np.zeros(N, np.int32), np.zeros(N, np.int32)]
     host = env.pinned((N,))
@@ -128,9 +128,9 @@ def _run(env, seed, steps):
     return c.stats
 
 
-@pytest.mark.parametrize("seed", [1, 2, 3])
-def test_random_programs_match_the_model(env, seed):
-    stats = _run(env, seed, 60)
+@pytest.mark.parametrize("seed,flush_mode", [(1, "auto"), (2, "mapped"), (3, "dma"), (6, "inline")])
+def test_random_programs_match_the_model(env, seed, flush_mode):
+    stats = _run(env, seed, 60, flush_mode)
     assert stats.segments > 0
     assert stats.host_waits <= 60  # the ring waits only for a slot still in flight
 

@@ -144,11 +144,25 @@ class Backend:
         # implemented by the backend
         raise NotImplementedError
 
-    def scatter(self, segment_ptr: int, nblocks: int, stream, mapped: bool) -> None:
+    def scatter(
+        self,
+        segment_ptr: int,
+        nblocks: int,
+        stream,
+        mapped: bool,
+        carry: int = 0,
+        host_ptr: int = 0,
+    ) -> None:
         """Enqueue one scatter launch decoding the segment at ``segment_ptr``.
 
         ``mapped`` says ``segment_ptr`` is the device address of mapped pinned
         memory (read by the kernel when it runs) rather than device memory.
+        ``carry`` > 0 puts the segment's first ``carry`` bytes, read from host
+        memory at ``host_ptr`` during this call, into the launch's parameters:
+        at least the header and the whole descriptor table, at most the largest
+        of :meth:`carry_capacities`. The kernel reads those bytes from the
+        parameters and only the rest from ``segment_ptr``; when ``carry`` covers
+        the whole segment it reads nothing from it.
         """
         # implemented by the backend
         raise NotImplementedError
@@ -185,6 +199,10 @@ class Backend:
     def mapped_threshold(self) -> int:
         """Segments of at most this many bytes use ``mapped`` under ``flush_mode="auto"``."""
         return 0
+
+    def carry_capacities(self) -> tuple:
+        """Ascending byte counts a scatter launch can carry in its parameters (none: ``()``)."""
+        return ()
 
     def describe(self) -> str:
         """A short name for messages, e.g. ``cuda:0`` or ``sim:0``."""

@@ -181,6 +181,46 @@ class _HoldArgs(ctypes.Structure):
     _fields_ = [("flag", ctypes.c_uint64), ("timeout_ns", ctypes.c_uint64)]
 
 
+class _CarryArgs(ctypes.Structure):
+    # scatter.cu's CucopyCarried<CAP> at the largest capacity; a launch passes
+    # its first CARRY_PREFIX + cap bytes.
+    _fields_ = [
+        ("seg", ctypes.c_uint64),
+        ("nbytes", ctypes.c_uint32),
+        ("reserved", ctypes.c_uint32),
+        ("bytes", ctypes.c_ubyte * pack.CARRY_CAPACITIES[-1]),
+    ]
+
+
+# cuLaunchKernel's ``extra`` keys (cuda.h): CU_LAUNCH_PARAM_END/BUFFER_POINTER/BUFFER_SIZE
+_PARAM_END, _PARAM_BUFFER_POINTER, _PARAM_BUFFER_SIZE = 0, 1, 2
+
+# Parameter buffers over 4 KiB need a driver of CUDA 12.1 or later.
+_LARGE_PARAMS_DRIVER = 12010
+_SMALL_PARAMS_MAX = 4096 - pack.CARRY_PREFIX
+
+
+class _Carry:
+    """A carried launch's parameter buffer and the ``extra`` array naming it."""
+
+    __slots__ = ("args", "size", "extra", "extra_addr", "addr", "bytes_addr")
+
+    def __init__(self):
+        self.args = _CarryArgs()
+        self.size = ctypes.c_size_t(0)
+        self.addr = ctypes.addressof(self.args)
+        self.bytes_addr = self.addr + _CarryArgs.bytes.offset
+        extra = (ctypes.c_void_p * 5)(
+            _PARAM_BUFFER_POINTER,
+            self.addr,
+            _PARAM_BUFFER_SIZE,
+            ctypes.addressof(self.size),
+            _PARAM_END,
+        )
+        self.extra = extra
+        self.extra_addr = ctypes.addressof(extra)
+
+
 class _Params:
     """One kernel's argument block and the ``void*[]`` that ``cuLaunchKernel`` reads."""
 
@@ -200,6 +240,7 @@ class _Scratch(threading.local):
     def __init__(self, device: int):
         self.scatter = _Params(_ScatterArgs)
         self.fill = _Params(_FillArgs)
+        self.carry = _Carry()
         # cuLaunchKernel is a driver call: it needs a context bound to this
         # thread, which cudaGetDevice alone does not bind (a fresh thread reads
         # device 0 with no context). cudaSetDevice binds the primary context.
@@ -211,11 +252,13 @@ class _Scratch(threading.local):
 
 
 class _Kernels:
-    __slots__ = ("scatter", "fill", "_keep")
+    __slots__ = ("scatter", "fill", "carried", "caps", "_keep")
 
-    def __init__(self, scatter: int, fill: int, keep):
+    def __init__(self, scatter: int, fill: int, carried: dict, keep):
         self.scatter = scatter
         self.fill = fill
+        self.carried = carried  # capacity -> CUfunction of cucopy_scatter_c*
+        self.caps = tuple(sorted(carried))
         self._keep = keep  # the RawKernels own the CUmodule the handles point into
 
 
@@ -241,13 +284,34 @@ def _build(source: str, names, what: str, device: int) -> list:
 def _kernels(device: int) -> _Kernels:
     from .. import kernels as kernel_sources
 
-    scatter, fill = _build(
-        kernel_sources.source(),
-        ("cucopy_scatter", "cucopy_fill"),
-        "cucopy/kernels/scatter.cu",
-        device,
-    )
-    return _Kernels(scatter.kernel.ptr, fill.kernel.ptr, (scatter, fill))
+    try:
+        large = _rt.driverGetVersion() >= _LARGE_PARAMS_DRIVER
+    except _RuntimeError:
+        large = False
+    # an NVRTC older than 12.1 compiles only the small carried kernels (#if in scatter.cu)
+    caps = [
+        (cap, name)
+        for cap, name in zip(pack.CARRY_CAPACITIES, pack.CARRY_ENTRY_POINTS)
+        if large or cap <= _SMALL_PARAMS_MAX
+    ]
+    names = ("cucopy_scatter", "cucopy_fill")
+    try:
+        built = _build(
+            kernel_sources.source(),
+            names + tuple(name for _, name in caps),
+            "cucopy/kernels/scatter.cu",
+            device,
+        )
+    except CopyError:
+        caps = [(cap, name) for cap, name in caps if cap <= _SMALL_PARAMS_MAX]
+        built = _build(
+            kernel_sources.source(),
+            names + tuple(name for _, name in caps),
+            "cucopy/kernels/scatter.cu",
+            device,
+        )
+    carried = {cap: k.kernel.ptr for (cap, _), k in zip(caps, built[2:])}
+    return _Kernels(built[0].kernel.ptr, built[1].kernel.ptr, carried, tuple(built))
 
 
 @functools.cache
@@ -564,27 +628,70 @@ class CudaBackend(Backend):
                 f" (dst={dst:#x} width={width} rows={rows} grid={blocks})",
             ) from e
 
-    def scatter(self, segment_ptr: int, nblocks: int, stream, mapped: bool) -> None:
-        """Enqueue one ``cucopy_scatter`` launch of ``nblocks`` blocks.
+    def scatter(
+        self,
+        segment_ptr: int,
+        nblocks: int,
+        stream,
+        mapped: bool,
+        carry: int = 0,
+        host_ptr: int = 0,
+    ) -> None:
+        """Enqueue one scatter launch of ``nblocks`` blocks.
 
         ``mapped`` needs nothing different here: ``segment_ptr`` is already the
-        device address of the mapped pinned segment.
+        device address of the mapped pinned segment. With ``carry`` > 0 the
+        launch is ``cucopy_scatter_c*`` of the smallest capacity that holds
+        ``carry`` bytes, copied from ``host_ptr`` into its parameter buffer
+        here (the driver snapshots that buffer when the launch is enqueued);
+        otherwise ``cucopy_scatter``, which reads the whole segment at
+        ``segment_ptr`` when it runs.
+
+        Raises
+        ------
+        ValueError
+            If ``carry`` exceeds every capacity on offer (:meth:`carry_capacities`).
         """
         if nblocks <= 0:
             return
         if _getDevice() != self.device:
-            return self._on_device(self.scatter, segment_ptr, nblocks, stream, mapped)
-        fn = (self._kern or self._get_kernels()).scatter
-        p = self._scratch.scatter
-        p.args.seg = segment_ptr
+            return self._on_device(
+                self.scatter, segment_ptr, nblocks, stream, mapped, carry, host_ptr
+            )
+        k = self._kern or self._get_kernels()
+        if carry:
+            cap = pack.carry_capacity(carry, k.caps)
+            if not cap:
+                raise ValueError(
+                    f"scatter: carry={carry} bytes exceed the largest parameter buffer "
+                    f"({k.caps[-1] if k.caps else 0} bytes) on {self.describe()}"
+                )
+            c = self._scratch.carry
+            c.args.seg = segment_ptr
+            c.args.nbytes = carry
+            ctypes.memmove(c.bytes_addr, host_ptr, carry)
+            c.size.value = pack.CARRY_PREFIX + cap
+            fn, params, extra = k.carried[cap], 0, c.extra_addr
+        else:
+            p = self._scratch.scatter
+            p.args.seg = segment_ptr
+            fn, params, extra = k.scatter, p.addr, 0
         try:
-            _launch(fn, nblocks, 1, 1, pack.THREADS, 1, 1, 0, stream, p.addr, 0)
+            _launch(fn, nblocks, 1, 1, pack.THREADS, 1, 1, 0, stream, params, extra)
         except _DriverError as e:
             raise self._error(
-                "cuLaunchKernel(cucopy_scatter)",
+                "cuLaunchKernel(cucopy_scatter" + (f"_c, {carry} bytes carried)" if carry else ")"),
                 e,
                 f" (segment={segment_ptr:#x} grid={nblocks} {'mapped' if mapped else 'dma'})",
             ) from e
+
+    def carry_capacities(self) -> tuple:
+        """Byte counts a scatter launch can carry, ascending (needs the kernels built).
+
+        ``pack.CARRY_CAPACITIES``, less those over 4 KiB on a driver older than
+        CUDA 12.1.
+        """
+        return (self._kern or self._get_kernels()).caps
 
     # -- events --------------------------------------------------------------------
 

@@ -294,6 +294,13 @@ class SimDevice:
         When queued work runs (see the module docstring).
     seed : int
         Seeds the ``random`` policy and the scatter's descriptor order.
+
+    Attributes
+    ----------
+    carry_capacities : tuple of int
+        What a scatter launch may carry in its parameters, as the CUDA backend
+        offers (``pack.CARRY_CAPACITIES``); set ``()`` to model a driver that
+        carries nothing, or a prefix to model one without large parameters.
     """
 
     def __init__(self, policy: str = "lazy", seed: int = 0):
@@ -311,6 +318,7 @@ class SimDevice:
         self._streams: list = []
         self.default_stream = self.stream("default")
         self.device_reads = 0  # reads of device memory by the host (check mode's cost)
+        self.carry_capacities = pack.CARRY_CAPACITIES
 
     # -- memory ---------------------------------------------------------------
 
@@ -558,14 +566,39 @@ class SimBackend(Backend):
 
         stream._enqueue(run)
 
-    def scatter(self, segment_ptr, nblocks, stream, mapped) -> None:
+    def scatter(self, segment_ptr, nblocks, stream, mapped, carry=0, host_ptr=0) -> None:
         dev = self.device
         dev._mem(segment_ptr, pack.HEADER_BYTES)
+        head = None
+        if carry:
+            # The launch's parameters: copied now, as cuLaunchKernel copies them
+            if carry > self.carry_capacity_max():
+                raise ValueError(
+                    f"scatter: carry={carry} exceeds the largest capacity "
+                    f"{self.carry_capacity_max()}"
+                )
+            head = dev._mem(dev.mapped_pointer(host_ptr), carry).tobytes()
+            header, _ = pack.decode(head[: pack.HEADER_BYTES])
+            table_end = int(header["desc_offset"]) + int(header["ndesc"]) * pack.DESC_BYTES
+            if carry < table_end:
+                raise AssertionError(
+                    f"internal: carry={carry} bytes do not hold the descriptor table "
+                    f"(ends at {table_end})"
+                )
 
         def run():
-            head = dev._mem(segment_ptr, pack.HEADER_BYTES)
-            header, _ = pack.decode(head.tobytes())
-            seg = dev._mem(segment_ptr, int(header["total_bytes"])).tobytes()
+            if head is None:
+                first = dev._mem(segment_ptr, pack.HEADER_BYTES).tobytes()
+            else:
+                first = head
+            header, _ = pack.decode(first[: pack.HEADER_BYTES])
+            total = int(header["total_bytes"])
+            if head is None:
+                seg = dev._mem(segment_ptr, total).tobytes()
+            elif total <= len(head):
+                seg = head[:total]
+            else:  # the rest is read from the segment when the kernel runs
+                seg = head + dev._mem(segment_ptr + len(head), total - len(head)).tobytes()
             n = int(header["ndesc"])
             if int(header["nblocks"]) != nblocks:
                 raise AssertionError(
@@ -600,6 +633,13 @@ class SimBackend(Backend):
 
     def mapped_threshold(self) -> int:
         return 4096
+
+    def carry_capacities(self) -> tuple:
+        return tuple(self.device.carry_capacities)
+
+    def carry_capacity_max(self) -> int:
+        caps = self.carry_capacities()
+        return caps[-1] if caps else 0
 
     def describe(self) -> str:
         return f"sim:{self.device.index}"

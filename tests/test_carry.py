@@ -1,0 +1,163 @@
+"""Segments carried in the scatter launch's parameters (``inline``, and ``mapped``'s header).
+
+A carried launch snapshots the segment's first bytes when it is enqueued; the
+rest is read when the kernel runs. These tests stall the copier's stream,
+scribble over the whole staging ring while the launch waits, and look at what
+lands: a carried byte keeps its enqueue-time value, an uncarried one takes the
+scribble. The same bodies run on the simulated device and on a GPU.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import cucopy as cc
+from cucopy import pack
+
+
+class Site(cc.CopySite):
+    POS = cc.H2D
+    LENS = cc.H2D
+    GATHER = cc.D2D
+    PAD = cc.FILL
+
+
+PLAN = cc.CopyPlan(merge={Site.POS, Site.LENS, Site.GATHER, Site.PAD})
+SCRIBBLE = 0x5A
+
+
+def _scribble(c) -> None:
+    for slot in c._ring._slots:
+        if slot is not None:
+            slot.array[:] = SCRIBBLE
+
+
+def _held_step(env, c, values, dst, scribble=True):
+    """One merged copy enqueued behind a stalled stream; the ring is scribbled on meanwhile."""
+    with env.hold(c_stream(env, c)):
+        with c.step():
+            c.copy(Site.POS, dst, values)
+        if scribble:
+            _scribble(c)
+    return env.to_host(dst)
+
+
+def c_stream(env, c):
+    return c._stream_obj if c._stream_obj is not None else env.default_stream
+
+
+def test_inline_segments_are_snapshotted_at_enqueue(env):
+    c = env.copier(PLAN, flush_mode="inline")
+    dst = env.empty((64,))
+    values = np.arange(64, dtype=np.int32) * 7 + 1
+    got = _held_step(env, c, values, dst)
+    assert got.tolist() == values.tolist()
+    assert c.stats.modes == {"dma": 0, "mapped": 0, "inline": 1}
+    c.close()
+
+
+def test_mapped_segments_carry_the_header_and_read_the_data_at_run_time(env):
+    # The header and table travel with the launch (a scribbled header would stop
+    # the kernel cold); the data is read from the pinned slot when the kernel
+    # runs, so it is the scribble that lands. This is why the ring's events
+    # guard a mapped slot until its launch has run.
+    c = env.copier(PLAN, flush_mode="mapped")
+    dst = env.empty((64,))
+    got = _held_step(env, c, np.arange(64, dtype=np.int32), dst)
+    want = np.full(64, SCRIBBLE * 0x01010101, np.uint32).view(np.int32)
+    assert got.tolist() == want.tolist()
+    assert c.stats.modes["mapped"] == 1
+    c.close()
+
+
+def test_mapped_lands_when_the_slot_is_left_alone(env):
+    c = env.copier(PLAN, flush_mode="mapped")
+    dst = env.empty((64,))
+    values = np.arange(64, dtype=np.int32) - 5
+    assert _held_step(env, c, values, dst, scribble=False).tolist() == values.tolist()
+    c.close()
+
+
+def test_auto_carries_small_segments_whole(env):
+    c = env.copier(PLAN)
+    a = env.empty((4096,))
+    src = env.asarray(np.arange(100, dtype=np.int32))
+    with c.step():
+        c.copy(Site.POS, a[:10], np.arange(10, dtype=np.int32))
+        c.copy(Site.GATHER, a[100:200], src)
+        c.fill_tail(Site.PAD, a[200:300], 0, 9)
+    got = env.to_host(a)
+    assert got[:10].tolist() == list(range(10))
+    assert got[100:200].tolist() == list(range(100))
+    assert got[200:300].tolist() == [9] * 100
+    assert c.stats.modes == {"dma": 0, "mapped": 0, "inline": 1}
+    c.close()
+
+
+def test_inline_falls_back_to_auto_past_the_largest_capacity(env):
+    c = env.copier(PLAN, flush_mode="inline")
+    n = pack.CARRY_CAPACITIES[-1] // 4 + 16  # a segment one capacity cannot hold
+    a = env.empty((n,))
+    values = np.arange(n, dtype=np.int32)
+    with c.step():
+        c.copy(Site.LENS, a, values)
+    assert env.to_host(a).tolist() == values.tolist()
+    assert c.stats.modes["inline"] == 0 and c.stats.segments == 1
+    c.close()
+
+
+@pytest.mark.parametrize("ndesc", [1, 20, 100, 600])
+def test_many_descriptors_carried(env, ndesc):
+    # 600 descriptors (28.8 KB of table) still fit the largest buffer, header
+    # and data included for small rows; every block finds its descriptor.
+    c = env.copier(PLAN, flush_mode="mapped")
+    a = env.empty((ndesc * 8,))
+    rng = np.random.default_rng(ndesc)
+    want = np.zeros(ndesc * 8, np.int32)
+    with c.step():
+        for i in range(ndesc):
+            k = int(rng.integers(1, 9))
+            v = rng.integers(-(2**31), 2**31, k, dtype=np.int64).astype(np.int32)
+            c.copy(Site.POS, a[i * 8 : i * 8 + k], v)
+            want[i * 8 : i * 8 + k] = v
+    assert env.to_host(a).tolist() == want.tolist()
+    assert c.stats.modes["mapped"] == 1
+    c.close()
+
+
+def test_without_carry_support_the_old_paths_run():
+    # A backend that carries nothing (an old driver): auto picks mapped for a
+    # small table and dma past the descriptor cap, inline falls back to auto.
+    from conftest import SimEnv
+
+    env = SimEnv("lazy")
+    env.dev.carry_capacities = ()
+    for mode, want in (("auto", "mapped"), ("inline", "mapped"), ("dma", "dma")):
+        c = env.copier(PLAN, flush_mode=mode)
+        a = env.empty((16,))
+        with c.step():
+            c.copy(Site.POS, a, np.arange(16, dtype=np.int32))
+        assert env.to_host(a).tolist() == list(range(16))
+        assert c.stats.modes[want] == 1, (mode, c.stats.modes)
+        c.close()
+    c = env.copier(PLAN)
+    a = env.empty((200,))
+    with c.step():
+        for i in range(100):  # more descriptors than an uncarried mapped table takes
+            c.copy(Site.POS, a[2 * i : 2 * i + 1], np.array([i], np.int32))
+    assert env.to_host(a)[::2].tolist() == list(range(100))
+    assert c.stats.modes == {"dma": 1, "mapped": 0, "inline": 0}
+    c.close()
+
+
+def test_carry_larger_than_every_capacity_is_refused(env):
+    c = env.copier(PLAN, flush_mode="dma")
+    with c.step():
+        c.copy(Site.POS, env.empty((4,)), np.arange(4, dtype=np.int32))
+    be = c._backend
+    big = be.carry_capacities()[-1] + 16
+    slot = c._ring._slots[0]
+    with pytest.raises(ValueError, match=f"carry={big}"):
+        be.scatter(slot.pinned.device_ptr, 1, c._stream, True, big, slot.pinned.ptr)
+    c.close()
