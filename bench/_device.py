@@ -381,15 +381,16 @@ class CucopyContender(Contender):
 def copier_ops(ctx, copier, flush_mode: str) -> float | None:
     """Copies and launches a copier enqueued per step, from its stats.
 
-    A segment is one upload + one launch (``dma``) or one launch (``mapped``; ``auto``
-    counts as mapped when the average segment is within the backend's threshold);
-    each eager copy is one copy.
+    A segment is one upload + one launch (``dma``) or one launch (``mapped`` or
+    ``inline``), as the copier's ``stats.modes`` counted them; each eager copy is
+    one copy.
 
     Parameters
     ----------
     ctx : Context
     copier : cucopy.DeviceCopier
-    flush_mode : {"dma", "mapped", "auto"}
+    flush_mode : str
+        Unused (kept for callers); the copier's counters say what ran.
 
     Returns
     -------
@@ -400,16 +401,8 @@ def copier_ops(ctx, copier, flush_mode: str) -> float | None:
     if not st.steps:
         return None
     eager = sum(s.eager for s in st.sites.values())
-    per_segment = 2
-    if flush_mode == "mapped":
-        per_segment = 1
-    elif flush_mode == "auto" and st.segments:
-        from cucopy.copier import _MAPPED_MAX_DESCS
-
-        merged = sum(s.merged for s in st.sites.values())
-        small = st.bytes_staged / st.segments <= ctx.mapped_threshold()
-        per_segment = 1 if small and merged / st.segments <= _MAPPED_MAX_DESCS else 2
-    return (st.segments * per_segment + eager) / st.steps
+    m = st.modes
+    return (2 * m["dma"] + m["mapped"] + m["inline"] + eager) / st.steps
 
 
 def _cucopy(name, plan, mode, description):
@@ -433,7 +426,13 @@ CucopyDma = _cucopy("cucopy_dma", PLAN, "dma", "merged: one H2D of the segment +
 CucopyMapped = _cucopy(
     "cucopy_mapped", PLAN, "mapped", "merged: one scatter reading mapped pinned memory"
 )
-CucopyAuto = _cucopy("cucopy_auto", PLAN, "auto", "merged: dma or mapped by segment size")
+CucopyInline = _cucopy(
+    "cucopy_inline",
+    PLAN,
+    "inline",
+    "merged: one scatter carrying the whole segment in its parameters (up to 32 KiB)",
+)
+CucopyAuto = _cucopy("cucopy_auto", PLAN, "auto", "merged: inline, mapped or dma by segment size")
 
 
 class TorchChain(Contender):
@@ -615,6 +614,7 @@ ALL = (
     CucopyChained,
     CucopyDma,
     CucopyMapped,
+    CucopyInline,
     CucopyAuto,
 )
 
@@ -753,6 +753,7 @@ def measure(ctx, contender: Contender, reps: int, warmup: int, gpu: bool = True)
         res["segments_per_step"] = st.segments / max(st.steps, 1)
         res["bytes_staged_per_step"] = st.bytes_staged / max(st.steps, 1)
         res["host_waits"] = st.host_waits
+        res["segment_modes"] = dict(st.modes)
         fb = {}
         for s in st.sites.values():
             for k, v in s.fallback.items():

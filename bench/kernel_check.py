@@ -4,13 +4,16 @@ Builds random segments with :func:`cucopy.pack.encode` (all four descriptor
 kinds, sizes 1 B to 256 KiB, random alignments of destinations, sources and
 pitches, 2-D copies whose rows interleave with another descriptor's), runs
 ``cucopy_scatter`` on them from device memory ("dma") and from mapped pinned
-host memory ("mapped"), and compares the device arena with
+host memory ("mapped"), and ``cucopy_scatter_c*`` through the CUDA backend with
+the header and table carried in the launch's parameters and the data mapped
+("carried") or the whole segment carried ("inline"; segments too large for the
+largest parameter buffer fall back to "carried", then to "mapped"), and compares the device arena with
 :func:`cucopy.pack.reference_scatter` applied to a host copy of it. Also checks
 ``cucopy_fill``. ``tests/test_kernel_gpu.py`` runs the same harness; this
 script exists to run it under compute-sanitizer.
 
 Usage:
-    python bench/kernel_check.py [--segments 200] [--seed 0] [--mode both]
+    python bench/kernel_check.py [--segments 200] [--seed 0] [--mode all]
         [--max-desc 64] [--max-bytes 262144] [--fills 200]
     compute-sanitizer --tool memcheck python bench/kernel_check.py --segments 100
     compute-sanitizer --tool racecheck python bench/kernel_check.py --segments 20
@@ -36,6 +39,7 @@ except ImportError:  # run from a checkout without installing
     from cucopy import kernels, pack
 
 KINDS = (pack.KIND_H2D, pack.KIND_H2D_2D, pack.KIND_D2D, pack.KIND_FILL)
+MODES = ("dma", "mapped", "carried", "inline")
 
 
 @dataclass
@@ -237,6 +241,13 @@ class Harness:
         )
         attrs = cupy.cuda.runtime.pointerGetAttributes(self._pinned.ptr)
         self.stage_mapped = int(attrs.devicePointer)
+        self.stage_host_ptr = int(self._pinned.ptr)
+        from cucopy.backends.cuda import CudaBackend
+
+        self.backend = CudaBackend(cupy.cuda.Device().id)
+        self.caps = self.backend.carry_capacities()
+        #: launches by how much they carried: "none", "head", "all"
+        self.carried = {"none": 0, "head": 0, "all": 0}
 
     def segment(self, rng: np.random.Generator, **kw) -> Segment:
         """A random segment aimed at this arena (see :func:`make_segment`)."""
@@ -248,8 +259,8 @@ class Harness:
         A batch larger than the staging runs in several rounds, each waited
         for before its staging is rewritten.
         """
-        if mode not in ("dma", "mapped"):
-            raise ValueError(f"mode: expected 'dma' or 'mapped', got {mode!r}")
+        if mode not in MODES:
+            raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
         pending, off = [], 0
         for s in segments:
             if s.data.size > self.stage_bytes:
@@ -262,6 +273,15 @@ class Harness:
             off += s.data.size
         self._launch(pending, off, mode)
 
+    def _carry(self, s: Segment, mode: str) -> int:
+        """Bytes of ``s`` a launch in ``mode`` carries (0: the uncarried kernel)."""
+        cmax = self.caps[-1] if self.caps else 0
+        if mode == "inline" and s.data.size <= cmax:
+            return s.data.size
+        header = s.data[: pack.HEADER_BYTES].view(pack.HEADER_DTYPE)[0]
+        head = int(header["desc_offset"]) + int(header["ndesc"]) * pack.DESC_BYTES
+        return head if pack.HEADER_BYTES <= head <= cmax else 0
+
     def _launch(self, pending, used: int, mode: str) -> None:
         if mode == "dma":
             self.stage_dev[:used].set(self.stage_host[:used])
@@ -269,7 +289,13 @@ class Harness:
         else:
             base = self.stage_mapped
         for s, o in pending:
-            self.scatter((s.nblocks,), (pack.THREADS,), (np.uint64(base + o),))
+            carry = self._carry(s, mode) if mode in ("carried", "inline") else 0
+            if carry:
+                self.carried["all" if carry == s.data.size else "head"] += 1
+                self.backend.scatter(base + o, s.nblocks, 0, True, carry, self.stage_host_ptr + o)
+            else:
+                self.carried["none"] += 1
+                self.scatter((s.nblocks,), (pack.THREADS,), (np.uint64(base + o),))
         self.cp.cuda.runtime.deviceSynchronize()
 
     def check(self, segments: list[Segment], mode: str) -> list[str]:
@@ -359,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--segments", type=int, default=200, help="random segments per mode")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--mode", choices=("dma", "mapped", "both"), default="both")
+    p.add_argument("--mode", choices=(*MODES, "all"), default="all")
     p.add_argument("--max-desc", type=int, default=64)
     p.add_argument("--max-bytes", type=int, default=256 << 10)
     p.add_argument("--batch", type=int, default=50, help="segments launched between checks")
@@ -368,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
 
     h = Harness(seed=args.seed)
     rng = np.random.default_rng(args.seed)
-    modes = ("dma", "mapped") if args.mode == "both" else (args.mode,)
+    modes = MODES if args.mode == "all" else (args.mode,)
     failures = []
     for mode in modes:
         done = 0
@@ -386,7 +412,12 @@ def main(argv: list[str] | None = None) -> int:
         # Block counts other than pack.blocks_for's.
         segs = [reblock(h.segment(rng, max_desc=args.max_desc), rng) for _ in range(10)]
         failures += h.check(segs, mode)
+        if mode == "inline":  # small segments, so that most travel whole
+            segs = [h.segment(rng, max_desc=args.max_desc, max_bytes=512) for _ in range(50)]
+            failures += h.check(segs, mode)
+            done += 50
         print(f"{mode}: {done + 12} segments checked", flush=True)
+    print(f"launches by bytes carried: {h.carried}", flush=True)
     for i in range(args.fills):
         failures += h.check_fill(rng, grid=None if i % 2 else int(rng.integers(1, 8)))
     print(f"fill: {args.fills} launches checked", flush=True)

@@ -1,4 +1,4 @@
-"""cucopy ``dma`` vs ``mapped`` flushes as the segment grows: where does dma start to win?
+"""cucopy ``dma``, ``mapped`` and ``inline`` flushes as the segment grows: which wins where?
 
 Usage:
     python bench/size_sweep.py [--table-min 1024] [--table-max 1048576] [--tiny 32]
@@ -8,7 +8,9 @@ Each step copies one large table (swept from ``--table-min`` to ``--table-max`` 
 in steps of about x1.41) plus ``--tiny`` vectors of 16-64 B, all merged into one
 segment. ``dma`` uploads the segment with one H2D copy and launches the scatter on the
 device copy; ``mapped`` launches the scatter on the pinned segment itself (it reads
-host memory over the bus). Measured per size and mode: GPU µs per step with the
+host memory over the bus; the header and table travel in the launch's parameters);
+``inline`` carries the whole segment in the launch's parameters up to 32 KiB and
+falls back to ``auto`` past that (``segment_modes`` in the JSON says what ran). Measured per size and mode: GPU µs per step with the
 stream held (CUDA events, no host launch gaps) and host µs per step.
 
 The crossover is the smallest segment (bytes, as ``flush_mode="auto"`` compares:
@@ -34,7 +36,7 @@ from bench import _common as common  # noqa: E402
 from bench import _device as devmod  # noqa: E402
 
 NAME = "size_sweep"
-MODES = ("dma", "mapped")
+MODES = ("dma", "mapped", "inline")
 
 
 def table_sizes(lo: int, hi: int) -> list[int]:
@@ -132,7 +134,11 @@ def run(
     progress = progress or common.Progress(enabled=False)
     progress.add(len(sizes))
     out = {"config": {"tiny": tiny, "sizes": list(sizes)}, "results": [], "points": [], "notes": []}
-    classes = {"dma": devmod.CucopyDma, "mapped": devmod.CucopyMapped}
+    classes = {
+        "dma": devmod.CucopyDma,
+        "mapped": devmod.CucopyMapped,
+        "inline": devmod.CucopyInline,
+    }
     for size in sizes:
         mix = sweep_mix(size, tiny, seed)
         wl = devmod.Workload(ctx, mix, seed)
@@ -177,7 +183,16 @@ def run(
     return out
 
 
-HEADER = ["table B", "segment B", "dma GPU us", "mapped GPU us", "dma host us", "mapped host us"]
+HEADER = [
+    "table B",
+    "segment B",
+    "dma GPU us",
+    "mapped GPU us",
+    "inline GPU us",
+    "dma host us",
+    "mapped host us",
+    "inline host us",
+]
 
 
 def report(result: dict) -> str:
@@ -185,16 +200,11 @@ def report(result: dict) -> str:
     by = {(r["table_bytes"], r["mode"]): r for r in result["results"]}
     rows = []
     for p in result["points"]:
-        d, m = by.get((p["table_bytes"], "dma"), {}), by.get((p["table_bytes"], "mapped"), {})
+        got = [by.get((p["table_bytes"], mode), {}) for mode in MODES]
         rows.append(
-            [
-                str(p["table_bytes"]),
-                str(p["segment_bytes"]),
-                common.fmt_stat(d.get("gpu_us"), digits=1),
-                common.fmt_stat(m.get("gpu_us"), digits=1),
-                common.fmt_stat(d.get("host_us"), digits=1),
-                common.fmt_stat(m.get("host_us"), digits=1),
-            ]
+            [str(p["table_bytes"]), str(p["segment_bytes"])]
+            + [common.fmt_stat(r.get("gpu_us"), digits=1) for r in got]
+            + [common.fmt_stat(r.get("host_us"), digits=1) for r in got]
         )
     lines = [common.table(rows, HEADER)]
     x = result.get("crossover")

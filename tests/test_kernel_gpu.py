@@ -1,8 +1,10 @@
 """GPU conformance of ``cucopy_scatter`` and ``cucopy_fill`` against pack.reference_scatter.
 
 Random segments (every descriptor kind, 1 B to 256 KiB, random alignments of
-destinations, sources and pitches) run from device memory and from mapped
-pinned memory; the device arena must equal the reference byte for byte. The
+destinations, sources and pitches) run from device memory, from mapped pinned
+memory, with the header and table carried in the launch ("carried") and whole
+in the launch ("inline"); the device arena must equal the reference byte for
+byte. The
 harness is ``bench/kernel_check.py``, which also runs standalone under
 compute-sanitizer.
 """
@@ -21,7 +23,7 @@ from cucopy import pack
 
 pytestmark = pytest.mark.gpu
 
-MODES = ("dma", "mapped")
+MODES = ("dma", "mapped", "carried", "inline")
 
 
 @functools.cache
@@ -125,13 +127,32 @@ def test_scatter_unknown_kind_is_skipped(harness):
     assert np.array_equal(harness.arena.get(), before)
 
 
-def test_scatter_bad_magic_writes_nothing(harness):
+@pytest.mark.parametrize("mode", MODES)
+def test_scatter_bad_magic_writes_nothing(harness, mode):
     rng = np.random.default_rng(7)
-    seg = harness.segment(rng, ndesc=5)
+    seg = harness.segment(rng, ndesc=5, max_bytes=256)
     seg.data[:4] = 0
     before = harness.arena.get()
-    harness.run([seg], "mapped")
+    harness.run([seg], mode)
     assert np.array_equal(harness.arena.get(), before)
+
+
+def test_scatter_inline_small_segments(harness):
+    # Segments that fit the parameter buffers travel whole: the kernel reads
+    # their data from its parameters (generic loads), at every capacity.
+    rng = np.random.default_rng(11)
+    before = dict(harness.carried)
+    for max_bytes in (16, 200, 2000):
+        _check_batches(harness, rng, "inline", segments=300, max_bytes=max_bytes)
+    assert harness.carried["all"] - before["all"] >= 600
+
+
+def test_scatter_carried_tables_up_to_the_largest_buffer(harness):
+    # 600 descriptors: a 28.8 KB table in the largest parameter buffer.
+    rng = np.random.default_rng(12)
+    before = dict(harness.carried)
+    _check_batches(harness, rng, "carried", segments=5, batch=5, ndesc=600, max_bytes=600)
+    assert harness.carried["head"] - before["head"] == 5
 
 
 def test_fill_random(harness):
