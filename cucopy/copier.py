@@ -30,8 +30,10 @@ _DCACHE_MAX = 4096
 # reads a segment from mapped memory only while every block's descriptor reads
 # stay few: on the H200, 8 and 32 descriptors ran 10.1 and 13.5 us mapped against
 # 20.4 us through an upload; 128 ran 38.6 mapped against 20.7
-# (bench/results/2026-11-30-h200-run1, step_cost).
+# (bench/results/2026-11-30-h200-run1, step_cost), and mapped segments up to
+# 134 KB were not slower than an upload (size_sweep there).
 _MAPPED_MAX_DESCS = 64
+_UNCARRIED_MAPPED_MAX = 128 * 1024
 
 
 def _label(site) -> str:
@@ -1050,7 +1052,10 @@ class DeviceCopier:
             elif mode == "mapped" or (
                 mode != "dma"
                 and total <= self._mapped_max
-                and (head <= cmax or n <= _MAPPED_MAX_DESCS)
+                and (
+                    head <= cmax
+                    or (n <= _MAPPED_MAX_DESCS and total <= _UNCARRIED_MAPPED_MAX)
+                )
             ):
                 carry = head if head <= cmax else 0
                 be.scatter(pin.device_ptr + seg, nblocks, self._stream, True, carry, pin.ptr + seg)

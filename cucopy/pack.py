@@ -97,14 +97,22 @@ MAX_PITCH = (1 << 32) - 1
 # CARRY_PREFIX bytes (the segment's address, the count of bytes carried, 4 reserved)
 # followed by up to one of CARRY_CAPACITIES bytes of the segment's start: at least
 # its header and whole descriptor table, or all of it. CARRY_ENTRY_POINTS names the
-# kernel for each capacity; the two largest need CUDA 12.1 or later (parameter
-# buffers over 4 KiB).
+# kernel for each capacity; those over 4 KiB need CUDA 12.1 or later. The driver
+# copies a launch's whole parameter buffer and its GPU time grows with it (about
+# 0.07 us per KiB on the H200, bench/results/2026-11-30-h200-run4, size_sweep), so
+# the capacities step by 4 KiB and a launch takes the smallest that holds it.
 CARRY_PREFIX = 16
-CARRY_CAPACITIES = (1008, 4080, 16368, 32736)
+CARRY_CAPACITIES = (1008, 2032, 4080, 8176, 12272, 16368, 20464, 24560, 28656, 32736)
 CARRY_ENTRY_POINTS = (
     "cucopy_scatter_c1k",
+    "cucopy_scatter_c2k",
     "cucopy_scatter_c4k",
+    "cucopy_scatter_c8k",
+    "cucopy_scatter_c12k",
     "cucopy_scatter_c16k",
+    "cucopy_scatter_c20k",
+    "cucopy_scatter_c24k",
+    "cucopy_scatter_c28k",
     "cucopy_scatter_c32k",
 )
 

@@ -72,11 +72,12 @@ _ERROR_NOT_READY = 600  # cudaErrorNotReady
 
 #: Segments of at most this many bytes are flushed ``mapped`` under
 #: ``flush_mode="auto"`` when ``crossover.json`` has no entry for the device.
-#: Measured on the H200 (bench/results/2026-11-30-h200-run1, size_sweep: one table
-#: plus tiny vectors): reading the segment from mapped memory was not slower than
-#: an upload plus launch up to a 134 KB segment, and the upload won from 188 KB on.
-#: The copier also caps mapped segments by descriptor count (copier.py).
-DEFAULT_MAPPED_THRESHOLD = 128 * 1024
+#: Measured on the H200 (bench/results/2026-11-30-h200-run4, size_sweep: one table
+#: plus tiny vectors, the header and table carried in the launch): reading the
+#: segment from mapped memory was faster than an upload plus launch at every size
+#: measured, up to a 1 MiB segment (38 vs 46 us there). Without a carried table
+#: the copier caps mapped segments lower (copier.py).
+DEFAULT_MAPPED_THRESHOLD = 1 << 20
 
 _CROSSOVER_PATH = Path(__file__).with_name("crossover.json")
 

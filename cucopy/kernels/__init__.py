@@ -15,17 +15,12 @@ from __future__ import annotations
 import re
 from importlib import resources
 
+from .. import pack
+
 __all__ = ["source", "compile_ptx", "ENTRY_POINTS", "NVRTC_OPTIONS"]
 
 #: The ``extern "C"`` kernels in ``scatter.cu``.
-ENTRY_POINTS = (
-    "cucopy_scatter",
-    "cucopy_fill",
-    "cucopy_scatter_c1k",
-    "cucopy_scatter_c4k",
-    "cucopy_scatter_c16k",
-    "cucopy_scatter_c32k",
-)
+ENTRY_POINTS = ("cucopy_scatter", "cucopy_fill", *pack.CARRY_ENTRY_POINTS)
 
 #: Options shared by every build of ``scatter.cu`` (the architecture is added
 #: per call). ``--display-error-number`` puts the diagnostic number in the log,
