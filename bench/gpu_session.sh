@@ -133,6 +133,9 @@ fi
 step bench 200 "$PY" -m bench --out "$work/bench/results" ${BENCH_ARGS:-}
 
 step hot_path 40 env PYTHONPATH=. "$PY" bench/hot_path.py --n 32
+if [[ -f bench/param_probe.py ]]; then
+    step param_probe 60 "$PY" bench/param_probe.py --json "$work/bench/param_probe.json"
+fi
 for ex in examples/*.py; do
     [[ -f "$ex" ]] || continue
     step "example_$(basename "$ex" .py)" 60 env PYTHONPATH=. "$PY" "$ex"

@@ -1052,10 +1052,7 @@ class DeviceCopier:
             elif mode == "mapped" or (
                 mode != "dma"
                 and total <= self._mapped_max
-                and (
-                    head <= cmax
-                    or (n <= _MAPPED_MAX_DESCS and total <= _UNCARRIED_MAPPED_MAX)
-                )
+                and (head <= cmax or (n <= _MAPPED_MAX_DESCS and total <= _UNCARRIED_MAPPED_MAX))
             ):
                 carry = head if head <= cmax else 0
                 be.scatter(pin.device_ptr + seg, nblocks, self._stream, True, carry, pin.ptr + seg)

@@ -170,3 +170,18 @@ def test_fill_any_grid(harness, grid):
     for _ in range(50):
         failures += harness.check_fill(rng, grid=grid)
     assert not failures, "\n".join(failures)
+
+
+def test_scatter_carried_garbage_block_starts_end(harness):
+    # A table whose block_start is not ascending (never written by pack.encode)
+    # must not hang or read out of bounds; the next segments still land.
+    rng = np.random.default_rng(13)
+    for n in (5, 40, 300):
+        seg = harness.segment(rng, ndesc=n, max_bytes=64)
+        table = seg.data[pack.HEADER_BYTES : pack.HEADER_BYTES + n * pack.DESC_BYTES].view(
+            pack.DESC_DTYPE
+        )
+        table["block_start"] = rng.permutation(n)
+        table["block_start"][0] = 0
+        harness.run([seg], "carried")
+    _check_batches(harness, rng, "carried", segments=50)

@@ -553,6 +553,13 @@ struct __align__(16) CucopyCarried {
     cucopy_u8 bytes[CAP];
 };
 
+// A 4-byte generic load from the launch's parameter buffer (addr from the
+// generic address of a __grid_constant__ parameter).
+static __device__ __forceinline__ cucopy_u32 cucopy_param_u32(cucopy_u64 addr)
+{
+    return *reinterpret_cast<const cucopy_u32*>(addr);
+}
+
 template <unsigned CAP>
 static __device__ __forceinline__ void cucopy_scatter_carried(const CucopyCarried<CAP>& p)
 {
@@ -570,26 +577,47 @@ static __device__ __forceinline__ void cucopy_scatter_carried(const CucopyCarrie
         || (cucopy_u64)doff + (cucopy_u64)n * CUCOPY_DESC_BYTES > have) {
         return;  // not a segment pack.encode wrote, or its table did not travel whole
     }
-    const CucopyDesc* table = reinterpret_cast<const CucopyDesc*>(p.bytes + doff);
-    if (table[0].block_start > b) {
-        return;
+    // The owner: the last descriptor whose block_start <= b, found by a 32-way
+    // search in which each lane reads one candidate (block_start[lo] <= b
+    // holds throughout). Every warp runs it alike, so no block-wide sync is
+    // needed. The reads are generic loads of the parameter buffer, which
+    // proceed in parallel across a warp; a uniform param-space read per
+    // binary-search step costs a dependent round trip each (about 0.3 us
+    // apiece on the H200, bench/results/2026-11-30-h200-probe). Up to 32
+    // descriptors take one round, up to 1024 two.
+    const cucopy_u64 table = reinterpret_cast<cucopy_u64>(p.bytes) + doff;
+    const unsigned lane = threadIdx.x & 31u;
+    if (cucopy_param_u32(table + 44u) > b) {
+        return;  // block_start[0] != 0: not a segment pack.encode wrote
     }
-    // The owner: the last descriptor whose block_start <= b. Every thread of
-    // the block searches the same entries (uniform constant-bank reads).
     cucopy_u32 lo = 0u, hi = n;
     while (hi - lo > 1u) {
-        const cucopy_u32 mid = (lo + hi) >> 1;
-        if (table[mid].block_start <= b) {
-            lo = mid;
-        } else {
-            hi = mid;
+        const cucopy_u32 step = (hi - lo + 31u) >> 5;
+        const cucopy_u32 i = lo + lane * step;
+        const bool below =
+            i < hi && cucopy_param_u32(table + (cucopy_u64)i * CUCOPY_DESC_BYTES + 44u) <= b;
+        const unsigned c = __popc(__ballot_sync(0xffffffffu, below));
+        if (c == 0u) {
+            return;  // block_start not ascending: not a segment pack.encode wrote
         }
+        lo += (c - 1u) * step;
+        hi = min(hi, lo + step);
     }
-    const cucopy_u32 next_start = lo + 1u < n ? table[lo + 1u].block_start : nblocks;
+    alignas(16) CucopyDesc d;
+    {
+        const uint4* src = reinterpret_cast<const uint4*>(table + (cucopy_u64)lo * CUCOPY_DESC_BYTES);
+        uint4* out = reinterpret_cast<uint4*>(&d);
+        out[0] = src[0];
+        out[1] = src[1];
+        out[2] = src[2];
+    }
+    const cucopy_u32 next_start =
+        lo + 1u < n ? cucopy_param_u32(table + (cucopy_u64)(lo + 1u) * CUCOPY_DESC_BYTES + 44u)
+                    : nblocks;
     if (h.total_bytes <= have) {
-        cucopy_apply<true>(table[lo], next_start, reinterpret_cast<cucopy_u64>(p.bytes), b);
+        cucopy_apply<true>(d, next_start, reinterpret_cast<cucopy_u64>(p.bytes), b);
     } else {
-        cucopy_apply<false>(table[lo], next_start, p.seg, b);
+        cucopy_apply<false>(d, next_start, p.seg, b);
     }
 }
 
