@@ -560,10 +560,33 @@ static __device__ __forceinline__ cucopy_u32 cucopy_param_u32(cucopy_u64 addr)
     return *reinterpret_cast<const cucopy_u32*>(addr);
 }
 
+// Finding a block's descriptor is a chain of dependent reads of the parameter
+// buffer (header, table, then the data), each a cache miss of a few hundred
+// nanoseconds: bench/param_probe.py measured a carried one-copy launch 1.1 us
+// above an empty launch with as many parameter bytes (run 5's probe). So the
+// kernel reads the header and, speculatively, the table together: pack.encode
+// puts the table right after the header, and thread t reads descriptor t where
+// it lies inside the buffer. Up to CUCOPY_THREADS descriptors that is the whole
+// lookup: one barrier count names the owner, whose thread hands its descriptor
+// to the block through shared memory, and the data reads follow. Other tables
+// (a larger one, or one placed elsewhere) take a 32-way search per warp.
 template <unsigned CAP>
 static __device__ __forceinline__ void cucopy_scatter_carried(const CucopyCarried<CAP>& p)
 {
+    constexpr unsigned kFit = (CAP - CUCOPY_HEADER_BYTES) / CUCOPY_DESC_BYTES;
+    __shared__ __align__(16) CucopyDesc s_desc;
+    __shared__ cucopy_u32 s_next;
     const cucopy_u32 b = blockIdx.x;
+    const unsigned t = threadIdx.x;
+    const cucopy_u64 base = reinterpret_cast<cucopy_u64>(p.bytes);
+    uint4 w0 = make_uint4(0u, 0u, 0u, 0u), w1 = w0, w2 = w0;
+    if (t < kFit) {  // speculative: descriptor t, if the table starts at the header's end
+        const uint4* e =
+            reinterpret_cast<const uint4*>(base + CUCOPY_HEADER_BYTES + (cucopy_u64)t * CUCOPY_DESC_BYTES);
+        w0 = e[0];
+        w1 = e[1];
+        w2 = e[2];
+    }
     const cucopy_u32 have = p.nbytes;
     if (have < CUCOPY_HEADER_BYTES || have > CAP) {
         return;
@@ -577,45 +600,63 @@ static __device__ __forceinline__ void cucopy_scatter_carried(const CucopyCarrie
         || (cucopy_u64)doff + (cucopy_u64)n * CUCOPY_DESC_BYTES > have) {
         return;  // not a segment pack.encode wrote, or its table did not travel whole
     }
-    // The owner: the last descriptor whose block_start <= b, found by a 32-way
-    // search in which each lane reads one candidate (block_start[lo] <= b
-    // holds throughout). Every warp runs it alike, so no block-wide sync is
-    // needed. The reads are generic loads of the parameter buffer, which
-    // proceed in parallel across a warp; a uniform param-space read per
-    // binary-search step costs a dependent round trip each (about 0.3 us
-    // apiece on the H200, bench/results/2026-11-30-h200-probe). Up to 32
-    // descriptors take one round, up to 1024 two.
-    const cucopy_u64 table = reinterpret_cast<cucopy_u64>(p.bytes) + doff;
-    const unsigned lane = threadIdx.x & 31u;
-    if (cucopy_param_u32(table + 44u) > b) {
-        return;  // block_start[0] != 0: not a segment pack.encode wrote
-    }
-    cucopy_u32 lo = 0u, hi = n;
-    while (hi - lo > 1u) {
-        const cucopy_u32 step = (hi - lo + 31u) >> 5;
-        const cucopy_u32 i = lo + lane * step;
-        const bool below =
-            i < hi && cucopy_param_u32(table + (cucopy_u64)i * CUCOPY_DESC_BYTES + 44u) <= b;
-        const unsigned c = __popc(__ballot_sync(0xffffffffu, below));
-        if (c == 0u) {
-            return;  // block_start not ascending: not a segment pack.encode wrote
-        }
-        lo += (c - 1u) * step;
-        hi = min(hi, lo + step);
-    }
     alignas(16) CucopyDesc d;
-    {
+    uint4* dw = reinterpret_cast<uint4*>(&d);
+    cucopy_u32 next_start;
+    if (doff == CUCOPY_HEADER_BYTES && n <= CUCOPY_THREADS) {
+        // n <= kFit here: the table lies inside the buffer. block_start is the
+        // last word of a descriptor (offset 44).
+        const cucopy_u32 owner = __syncthreads_count(t < n && w2.w <= b);
+        if (owner == 0u) {
+            return;  // block_start[0] != 0: not a segment pack.encode wrote
+        }
+        if (t + 1u == owner) {
+            uint4* sd = reinterpret_cast<uint4*>(&s_desc);
+            sd[0] = w0;
+            sd[1] = w1;
+            sd[2] = w2;
+        } else if (t == owner) {
+            s_next = w2.w;
+        }
+        __syncthreads();
+        const uint4* sd = reinterpret_cast<const uint4*>(&s_desc);
+        dw[0] = sd[0];
+        dw[1] = sd[1];
+        dw[2] = sd[2];
+        next_start = owner < n ? s_next : nblocks;
+    } else {
+        // The owner: the last descriptor whose block_start <= b, by a 32-way
+        // search in which each lane reads one candidate (block_start[lo] <= b
+        // holds throughout); every warp runs it alike. Up to 32 descriptors
+        // take one round, up to 1024 two.
+        const cucopy_u64 table = base + doff;
+        const unsigned lane = t & 31u;
+        if (cucopy_param_u32(table + 44u) > b) {
+            return;  // block_start[0] != 0: not a segment pack.encode wrote
+        }
+        cucopy_u32 lo = 0u, hi = n;
+        while (hi - lo > 1u) {
+            const cucopy_u32 step = (hi - lo + 31u) >> 5;
+            const cucopy_u32 i = lo + lane * step;
+            const bool below =
+                i < hi && cucopy_param_u32(table + (cucopy_u64)i * CUCOPY_DESC_BYTES + 44u) <= b;
+            const unsigned c = __popc(__ballot_sync(0xffffffffu, below));
+            if (c == 0u) {
+                return;  // block_start not ascending: not a segment pack.encode wrote
+            }
+            lo += (c - 1u) * step;
+            hi = min(hi, lo + step);
+        }
         const uint4* src = reinterpret_cast<const uint4*>(table + (cucopy_u64)lo * CUCOPY_DESC_BYTES);
-        uint4* out = reinterpret_cast<uint4*>(&d);
-        out[0] = src[0];
-        out[1] = src[1];
-        out[2] = src[2];
+        dw[0] = src[0];
+        dw[1] = src[1];
+        dw[2] = src[2];
+        next_start = lo + 1u < n
+                         ? cucopy_param_u32(table + (cucopy_u64)(lo + 1u) * CUCOPY_DESC_BYTES + 44u)
+                         : nblocks;
     }
-    const cucopy_u32 next_start =
-        lo + 1u < n ? cucopy_param_u32(table + (cucopy_u64)(lo + 1u) * CUCOPY_DESC_BYTES + 44u)
-                    : nblocks;
     if (h.total_bytes <= have) {
-        cucopy_apply<true>(d, next_start, reinterpret_cast<cucopy_u64>(p.bytes), b);
+        cucopy_apply<true>(d, next_start, base, b);
     } else {
         cucopy_apply<false>(d, next_start, p.seg, b);
     }
