@@ -38,7 +38,7 @@ def main(argv=None) -> int:
     import torch
 
     ex = _example()
-    shape = ex.Shape()
+    shape = ex.Shape(batch=32)
     dev = torch.device("cuda", torch.cuda.current_device())
     bufs = ex.Buffers(shape, lambda size: torch.empty(size, dtype=torch.int32, device=dev))
     inputs = [ex.make_inputs(shape, s, 0) for s in range(64)]
