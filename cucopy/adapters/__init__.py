@@ -256,12 +256,23 @@ def fingerprint_fn(x):
     that must be resolved every time.
     """
     tp = type(x)
+    try:
+        return _fp_by_type[tp]
+    except KeyError:
+        pass
     if hasattr(tp, "__cucopy_array__"):
-        return getattr(tp, "__cucopy_fingerprint__", _immutable)
-    lib = tp.__module__.split(".")[0]
-    if lib in ("torch", "cupy"):
-        return importlib.import_module(_LIBS[lib], __name__).fingerprint
-    return None
+        fn = getattr(tp, "__cucopy_fingerprint__", _immutable)
+    else:
+        lib = tp.__module__.split(".")[0]
+        fn = None
+        if lib in ("torch", "cupy"):
+            fn = importlib.import_module(_LIBS[lib], __name__).fingerprint
+    _fp_by_type[tp] = fn
+    return fn
+
+
+# type -> fingerprint function (or None); looked up once per type, as _by_type is
+_fp_by_type: dict = {}
 
 
 def describe(x) -> str:
