@@ -99,20 +99,46 @@ MAX_PITCH = (1 << 32) - 1
 # its header and whole descriptor table, or all of it. CARRY_ENTRY_POINTS names the
 # kernel for each capacity; those over 4 KiB need CUDA 12.1 or later. The driver
 # copies a launch's whole parameter buffer and its GPU time grows with it (about
-# 0.07 us per KiB on the H200, bench/results/2026-11-30-h200-run4, size_sweep), so
-# the capacities step by 4 KiB and a launch takes the smallest that holds it.
+# 0.09 us per KiB above 8 KiB on the H200, bench/results/2026-11-30-h200-run7,
+# param_probe), so the capacities step by 2 KiB and a launch takes the smallest
+# that holds it.
 CARRY_PREFIX = 16
-CARRY_CAPACITIES = (1008, 2032, 4080, 8176, 12272, 16368, 20464, 24560, 28656, 32736)
+CARRY_CAPACITIES = (
+    1008,
+    2032,
+    4080,
+    6128,
+    8176,
+    10224,
+    12272,
+    14320,
+    16368,
+    18416,
+    20464,
+    22512,
+    24560,
+    26608,
+    28656,
+    30704,
+    32736,
+)
 CARRY_ENTRY_POINTS = (
     "cucopy_scatter_c1k",
     "cucopy_scatter_c2k",
     "cucopy_scatter_c4k",
+    "cucopy_scatter_c6k",
     "cucopy_scatter_c8k",
+    "cucopy_scatter_c10k",
     "cucopy_scatter_c12k",
+    "cucopy_scatter_c14k",
     "cucopy_scatter_c16k",
+    "cucopy_scatter_c18k",
     "cucopy_scatter_c20k",
+    "cucopy_scatter_c22k",
     "cucopy_scatter_c24k",
+    "cucopy_scatter_c26k",
     "cucopy_scatter_c28k",
+    "cucopy_scatter_c30k",
     "cucopy_scatter_c32k",
 )
 

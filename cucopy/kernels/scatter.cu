@@ -663,7 +663,7 @@ static __device__ __forceinline__ void cucopy_scatter_carried(const CucopyCarrie
 }
 
 // One entry point per capacity (pack.CARRY_CAPACITIES): parameter buffers of 1,
-// 2 and 4 KiB, then 4 KiB steps up to 32 KiB, the last just under CUDA's
+// 2, 4 and 6 KiB, then 2 KiB steps up to 32 KiB, the last just under CUDA's
 // 32764-byte limit. Those over 4 KiB need CUDA 12.1 or later.
 #define CUCOPY_CARRIED_ENTRY(NAME, CAP)                                               \
     extern "C" __global__ void __launch_bounds__(CUCOPY_THREADS)                      \
@@ -676,11 +676,18 @@ CUCOPY_CARRIED_ENTRY(cucopy_scatter_c1k, 1008)
 CUCOPY_CARRIED_ENTRY(cucopy_scatter_c2k, 2032)
 CUCOPY_CARRIED_ENTRY(cucopy_scatter_c4k, 4080)
 #if __CUDACC_VER_MAJOR__ > 12 || (__CUDACC_VER_MAJOR__ == 12 && __CUDACC_VER_MINOR__ >= 1)
+CUCOPY_CARRIED_ENTRY(cucopy_scatter_c6k, 6128)
 CUCOPY_CARRIED_ENTRY(cucopy_scatter_c8k, 8176)
+CUCOPY_CARRIED_ENTRY(cucopy_scatter_c10k, 10224)
 CUCOPY_CARRIED_ENTRY(cucopy_scatter_c12k, 12272)
+CUCOPY_CARRIED_ENTRY(cucopy_scatter_c14k, 14320)
 CUCOPY_CARRIED_ENTRY(cucopy_scatter_c16k, 16368)
+CUCOPY_CARRIED_ENTRY(cucopy_scatter_c18k, 18416)
 CUCOPY_CARRIED_ENTRY(cucopy_scatter_c20k, 20464)
+CUCOPY_CARRIED_ENTRY(cucopy_scatter_c22k, 22512)
 CUCOPY_CARRIED_ENTRY(cucopy_scatter_c24k, 24560)
+CUCOPY_CARRIED_ENTRY(cucopy_scatter_c26k, 26608)
 CUCOPY_CARRIED_ENTRY(cucopy_scatter_c28k, 28656)
+CUCOPY_CARRIED_ENTRY(cucopy_scatter_c30k, 30704)
 CUCOPY_CARRIED_ENTRY(cucopy_scatter_c32k, 32736)
 #endif
