@@ -161,3 +161,18 @@ def test_carry_larger_than_every_capacity_is_refused(env):
     with pytest.raises(ValueError, match=f"carry={big}"):
         be.scatter(slot.pinned.device_ptr, 1, c._stream, True, big, slot.pinned.ptr)
     c.close()
+
+
+def test_stats_report_segment_modes(env):
+    c = env.copier(PLAN, flush_mode="dma")
+    a = env.empty((8,))
+    for mode in ("dma", "mapped", "inline"):
+        c.flush_mode = mode
+        with c.step():
+            c.copy(Site.POS, a, np.arange(8, dtype=np.int32))
+    assert c.stats.modes == {"dma": 1, "mapped": 1, "inline": 1}
+    assert c.stats.as_dict()["modes"] == {"dma": 1, "mapped": 1, "inline": 1}
+    assert "dma=1 mapped=1 inline=1" in str(c.stats)
+    c.stats.reset()
+    assert c.stats.modes == {"dma": 0, "mapped": 0, "inline": 0}
+    c.close()
