@@ -561,10 +561,11 @@ static __device__ __forceinline__ cucopy_u32 cucopy_param_u32(cucopy_u64 addr)
 }
 
 // Finding a block's descriptor is a chain of dependent reads of the parameter
-// buffer (header, table, then the data), each a cache miss of a few hundred
-// nanoseconds: bench/param_probe.py measured a carried one-copy launch 1.1 us
-// above an empty launch with as many parameter bytes (run 5's probe). So the
-// kernel reads the header and, speculatively, the table together: pack.encode
+// buffer (header, table, then the data): bench/param_probe.py measured a
+// carried one-copy launch 1.1 to 1.2 us above an empty launch with as many
+// parameter bytes (bench/results/2026-11-30-h200-probe, -run7, -run8). To keep
+// the chain short the kernel reads the header and, speculatively, the table
+// together: pack.encode
 // puts the table right after the header, and thread t reads descriptor t where
 // it lies inside the buffer. Up to CUCOPY_THREADS descriptors that is the whole
 // lookup: one barrier count names the owner, whose thread hands its descriptor
