@@ -150,3 +150,42 @@ def test_scatter_decodes_segment_in_shuffled_order(dev):
     assert dev.raw(out)[:n].tolist() == list(range(1, n + 1))
     assert len(seen_orders) > 1  # shuffled, not program order
     pinned.close()
+
+
+def _one_copy_segment(be, dev, value):
+    out = dev.empty((4,), np.int32)
+    pinned = be.alloc_pinned(4096)
+    seg = pinned.array
+    data0 = pack.align(pack.HEADER_BYTES + pack.DESC_BYTES)
+    seg[data0 : data0 + 16] = np.full(4, value, np.int32).view(np.uint8)
+    row = (out.ptr, data0, 0, 16, 16, 16, 1, pack.KIND_H2D, 0, 0)
+    nblocks = pack.encode(seg[:data0], [row], data0, data0 + 16)
+    return out, pinned, data0, nblocks
+
+
+def test_sim_scatter_carry_snapshots_at_the_call():
+    dev = SimDevice("lazy")
+    be = SimBackend(dev)
+    s = dev.stream()
+    for carry_all in (True, False):
+        out, pinned, data0, nblocks = _one_copy_segment(be, dev, 7)
+        carry = data0 + 16 if carry_all else data0
+        be.scatter(pinned.device_ptr, nblocks, s, True, carry, pinned.ptr)
+        pinned.array[data0 : data0 + 16] = np.full(4, 9, np.int32).view(np.uint8)
+        pinned.array[:data0] = 0  # the header and table: carried either way
+        s.synchronize()
+        # carried data keeps its value at the call; uncarried data is read when it runs
+        assert dev.raw(out).tolist() == ([7] * 4 if carry_all else [9] * 4)
+        pinned.close()
+
+
+def test_sim_scatter_carry_must_hold_the_table_and_fit():
+    dev = SimDevice("lazy")
+    be = SimBackend(dev)
+    out, pinned, data0, nblocks = _one_copy_segment(be, dev, 1)
+    with pytest.raises(AssertionError, match="do not hold the descriptor table"):
+        be.scatter(pinned.device_ptr, nblocks, dev.stream(), True, pack.HEADER_BYTES, pinned.ptr)
+    dev.carry_capacities = (1008,)
+    with pytest.raises(ValueError, match="carry=2000"):
+        be.scatter(pinned.device_ptr, nblocks, dev.stream(), True, 2000, pinned.ptr)
+    pinned.close()
