@@ -194,9 +194,9 @@ class DeviceCopier:
         self._handle = self._stream if isinstance(self._stream, int) else None
         self.flush_mode = flush_mode
         self._mapped_max = self._backend.mapped_threshold()
-        caps = self._backend.carry_capacities()
-        self._carry_max = caps[-1] if caps else 0
-        self._inline_max = self._carry_max
+        # the largest carry a launch takes; asked at the first flush, since the CUDA
+        # backend must build its kernels to answer
+        self._carry_max = None
         self._ring = StagingRing(self._backend, slots, capacity)
         self.stats = CopyStats()
         self._closed = False
@@ -1042,10 +1042,11 @@ class DeviceCopier:
             be = self._backend
             mode = self.flush_mode
             cmax = self._carry_max
+            if cmax is None:
+                caps = be.carry_capacities()
+                cmax = self._carry_max = caps[-1] if caps else 0
             pin = slot.pinned
-            if (
-                mode == "inline" or (mode == "auto" and total <= self._inline_max)
-            ) and total <= cmax:
+            if mode in ("inline", "auto") and total <= cmax:
                 # the whole segment travels in the launch: nothing read at run time
                 be.scatter(pin.device_ptr + seg, nblocks, self._stream, True, total, pin.ptr + seg)
                 how = "inline"
