@@ -572,10 +572,10 @@ class SimBackend(Backend):
         head = None
         if carry:
             # The launch's parameters: copied now, as cuLaunchKernel copies them
-            if carry > self.carry_capacity_max():
+            caps = self.carry_capacities()
+            if not pack.carry_capacity(carry, caps):
                 raise ValueError(
-                    f"scatter: carry={carry} exceeds the largest capacity "
-                    f"{self.carry_capacity_max()}"
+                    f"scatter: carry={carry} exceeds the largest capacity {caps[-1] if caps else 0}"
                 )
             head = dev._mem(dev.mapped_pointer(host_ptr), carry).tobytes()
             header, _ = pack.decode(head[: pack.HEADER_BYTES])
@@ -636,10 +636,6 @@ class SimBackend(Backend):
 
     def carry_capacities(self) -> tuple:
         return tuple(self.device.carry_capacities)
-
-    def carry_capacity_max(self) -> int:
-        caps = self.carry_capacities()
-        return caps[-1] if caps else 0
 
     def describe(self) -> str:
         return f"sim:{self.device.index}"
