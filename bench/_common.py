@@ -388,6 +388,38 @@ def add_run_args(p) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
+def run_script(ctx, args, name: str, measure, report) -> int:
+    """The end of every scenario script: measure, print the table, write JSON, close.
+
+    Parameters
+    ----------
+    ctx : bench._device.Context
+    args : argparse.Namespace
+        With the options of :func:`add_run_args`.
+    name : str
+        The scenario's name, its key under ``scenarios`` in the JSON.
+    measure : callable
+        ``measure(progress) -> result``.
+    report : callable
+        ``report(result) -> str``.
+
+    Returns
+    -------
+    int
+        The script's exit status (0).
+    """
+    prog = Progress(enabled=not args.no_progress)
+    try:
+        result = measure(prog)
+    finally:
+        prog.close()
+    print(report(result))
+    if args.json:
+        write_json(Path(args.json), {"environment": environment(ctx), "scenarios": {name: result}})
+    ctx.close()
+    return 0
+
+
 def reps_for(ctx, args) -> tuple[int, int]:
     """``(reps, warmup)`` from the command line, else the defaults for ``ctx``'s device."""
     reps = args.reps or (QUICK_REPS if args.quick else DEFAULT_REPS[ctx.kind])

@@ -375,10 +375,10 @@ class CucopyContender(Contender):
                 copy(site, d, v)
 
     def work_ops(self, steps):
-        return copier_ops(self.ctx, self.copier, self.flush_mode)
+        return copier_ops(self.copier)
 
 
-def copier_ops(ctx, copier, flush_mode: str) -> float | None:
+def copier_ops(copier) -> float | None:
     """Copies and launches a copier enqueued per step, from its stats.
 
     A segment is one upload + one launch (``dma``) or one launch (``mapped`` or
@@ -387,10 +387,7 @@ def copier_ops(ctx, copier, flush_mode: str) -> float | None:
 
     Parameters
     ----------
-    ctx : Context
     copier : cucopy.DeviceCopier
-    flush_mode : str
-        Unused (kept for callers); the copier's counters say what ran.
 
     Returns
     -------

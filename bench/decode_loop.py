@@ -302,20 +302,14 @@ def main(argv=None) -> int:
     ctx = devmod.make_context(args.sim, args.seed)
     steps = args.steps or (20 if args.quick else 200)
     names = args.contenders.split(",") if args.contenders else None
-    prog = common.Progress(enabled=not args.no_progress)
-    try:
-        result = run(
-            ctx, args.n, steps, args.replay_us, args.modes.split(","), prog, names, args.seed
-        )
-    finally:
-        prog.close()
-    print(report(result))
-    if args.json:
-        common.write_json(
-            Path(args.json), {"environment": common.environment(ctx), "scenarios": {NAME: result}}
-        )
-    ctx.close()
-    return 0
+    modes = args.modes.split(",")
+    return common.run_script(
+        ctx,
+        args,
+        NAME,
+        lambda prog: run(ctx, args.n, steps, args.replay_us, modes, prog, names, args.seed),
+        report,
+    )
 
 
 if __name__ == "__main__":

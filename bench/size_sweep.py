@@ -275,18 +275,14 @@ def main(argv=None) -> int:
     ctx = devmod.make_context(args.sim, args.seed)
     reps, warmup = common.reps_for(ctx, args)
     hi = min(args.table_max, 16 << 10) if args.quick else args.table_max
-    prog = common.Progress(enabled=not args.no_progress)
-    try:
-        result = run(ctx, table_sizes(args.table_min, hi), args.tiny, reps, warmup, prog, args.seed)
-    finally:
-        prog.close()
-    print(report(result))
-    if args.json:
-        common.write_json(
-            Path(args.json), {"environment": common.environment(ctx), "scenarios": {NAME: result}}
-        )
-    ctx.close()
-    return 0
+    sizes = table_sizes(args.table_min, hi)
+    return common.run_script(
+        ctx,
+        args,
+        NAME,
+        lambda prog: run(ctx, sizes, args.tiny, reps, warmup, prog, args.seed),
+        report,
+    )
 
 
 if __name__ == "__main__":

@@ -86,7 +86,7 @@ class _Alternating(devmod.Contender):
     def work_ops(self, steps):
         if self.copier is None:
             return float(self.wl.n)
-        return devmod.copier_ops(self.ctx, self.copier, self.flush_mode)
+        return devmod.copier_ops(self.copier)
 
 
 class CucopyAlways(_Alternating):
@@ -314,18 +314,13 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     ctx = devmod.make_context(args.sim, args.seed)
     reps, warmup = common.reps_for(ctx, args)
-    prog = common.Progress(enabled=not args.no_progress)
-    try:
-        result = run(ctx, args.n, args.changed, reps, warmup, prog, args.seed)
-    finally:
-        prog.close()
-    print(report(result))
-    if args.json:
-        common.write_json(
-            Path(args.json), {"environment": common.environment(ctx), "scenarios": {NAME: result}}
-        )
-    ctx.close()
-    return 0
+    return common.run_script(
+        ctx,
+        args,
+        NAME,
+        lambda prog: run(ctx, args.n, args.changed, reps, warmup, prog, args.seed),
+        report,
+    )
 
 
 if __name__ == "__main__":

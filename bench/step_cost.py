@@ -216,18 +216,13 @@ def main(argv=None) -> int:
     ctx = devmod.make_context(args.sim, args.seed)
     reps, warmup = common.reps_for(ctx, args)
     n_list = args.n or (common.QUICK_N if args.quick else common.DEFAULT_N)
-    prog = common.Progress(enabled=not args.no_progress)
-    try:
-        result = run(ctx, n_list, reps, warmup, prog, args.contenders, args.seed)
-    finally:
-        prog.close()
-    print(report(result))
-    if args.json:
-        common.write_json(
-            Path(args.json), {"environment": common.environment(ctx), "scenarios": {NAME: result}}
-        )
-    ctx.close()
-    return 0
+    return common.run_script(
+        ctx,
+        args,
+        NAME,
+        lambda prog: run(ctx, n_list, reps, warmup, prog, args.contenders, args.seed),
+        report,
+    )
 
 
 if __name__ == "__main__":
