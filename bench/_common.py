@@ -359,6 +359,15 @@ def pyplot():
     return plt
 
 
+def save_plot(fig, stem, name: str) -> list[Path]:
+    """Write ``fig`` as ``<stem>-<name>.png``, close it, and return ``[path]``."""
+    fig.tight_layout()
+    path = Path(f"{stem}-{name}.png")
+    fig.savefig(path, dpi=110)
+    pyplot().close(fig)
+    return [path]
+
+
 def parse_ints(text: str) -> list[int]:
     """``"8,32,128"`` -> ``[8, 32, 128]``."""
     return [int(t) for t in text.split(",") if t.strip()]

@@ -280,11 +280,7 @@ def plot(result: dict, stem: Path) -> list[Path]:
     )
     ax.legend()
     ax.grid(True, axis="y", alpha=0.3)
-    fig.tight_layout()
-    path = Path(f"{stem}-{NAME}.png")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return [path]
+    return common.save_plot(fig, stem, NAME)
 
 
 def main(argv=None) -> int:

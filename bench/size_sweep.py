@@ -255,11 +255,7 @@ def plot(result: dict, stem: Path) -> list[Path]:
     ax.set_title("cucopy flush: dma vs mapped", fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    path = Path(f"{stem}-{NAME}.png")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return [path]
+    return common.save_plot(fig, stem, NAME)
 
 
 def main(argv=None) -> int:

@@ -291,11 +291,7 @@ def plot(result: dict, stem: Path) -> list[Path]:
         ax.set_title(title + " (median, p10-p90)", fontsize=10)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = Path(f"{stem}-{NAME}.png")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return [path]
+    return common.save_plot(fig, stem, NAME)
 
 
 def main(argv=None) -> int:

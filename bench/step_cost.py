@@ -187,11 +187,7 @@ def plot(result: dict, stem: Path) -> list[Path]:
         ax.set_title(title, fontsize=10)
         ax.grid(True, which="both", alpha=0.3)
     axes[0][0].legend(fontsize=7)
-    fig.tight_layout()
-    path = Path(f"{stem}-{NAME}.png")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return [path]
+    return common.save_plot(fig, stem, NAME)
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
