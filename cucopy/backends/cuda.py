@@ -295,22 +295,16 @@ def _kernels(device: int) -> _Kernels:
         for cap, name in zip(pack.CARRY_CAPACITIES, pack.CARRY_ENTRY_POINTS)
         if large or cap <= _SMALL_PARAMS_MAX
     ]
-    names = ("cucopy_scatter", "cucopy_fill")
+
+    def build(caps):
+        names = ("cucopy_scatter", "cucopy_fill", *(name for _, name in caps))
+        return _build(kernel_sources.source(), names, "cucopy/kernels/scatter.cu", device)
+
     try:
-        built = _build(
-            kernel_sources.source(),
-            names + tuple(name for _, name in caps),
-            "cucopy/kernels/scatter.cu",
-            device,
-        )
+        built = build(caps)
     except CopyError:
         caps = [(cap, name) for cap, name in caps if cap <= _SMALL_PARAMS_MAX]
-        built = _build(
-            kernel_sources.source(),
-            names + tuple(name for _, name in caps),
-            "cucopy/kernels/scatter.cu",
-            device,
-        )
+        built = build(caps)
     carried = {cap: k.kernel.ptr for (cap, _), k in zip(caps, built[2:])}
     return _Kernels(built[0].kernel.ptr, built[1].kernel.ptr, carried, tuple(built))
 
