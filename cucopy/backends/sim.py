@@ -569,17 +569,16 @@ class SimBackend(Backend):
     def scatter(self, segment_ptr, nblocks, stream, mapped, carry=0, host_ptr=0) -> None:
         dev = self.device
         dev._mem(segment_ptr, pack.HEADER_BYTES)
-        head = None
+        head = b""  # the launch's parameters: copied now, as cuLaunchKernel copies them
         if carry:
-            # The launch's parameters: copied now, as cuLaunchKernel copies them
             caps = self.carry_capacities()
             if not pack.carry_capacity(carry, caps):
                 raise ValueError(
                     f"scatter: carry={carry} exceeds the largest capacity {caps[-1] if caps else 0}"
                 )
             head = dev._mem(dev.mapped_pointer(host_ptr), carry).tobytes()
-            header, _ = pack.decode(head[: pack.HEADER_BYTES])
-            table_end = int(header["desc_offset"]) + int(header["ndesc"]) * pack.DESC_BYTES
+            carried, _ = pack.decode(head[: pack.HEADER_BYTES])
+            table_end = int(carried["desc_offset"]) + int(carried["ndesc"]) * pack.DESC_BYTES
             if carry < table_end:
                 raise AssertionError(
                     f"internal: carry={carry} bytes do not hold the descriptor table "
@@ -587,18 +586,14 @@ class SimBackend(Backend):
                 )
 
         def run():
-            if head is None:
-                first = dev._mem(segment_ptr, pack.HEADER_BYTES).tobytes()
+            if head:
+                header = carried
             else:
-                first = head
-            header, _ = pack.decode(first[: pack.HEADER_BYTES])
+                header, _ = pack.decode(dev._mem(segment_ptr, pack.HEADER_BYTES).tobytes())
             total = int(header["total_bytes"])
-            if head is None:
-                seg = dev._mem(segment_ptr, total).tobytes()
-            elif total <= len(head):
-                seg = head[:total]
-            else:  # the rest is read from the segment when the kernel runs
-                seg = head + dev._mem(segment_ptr + len(head), total - len(head)).tobytes()
+            seg = head[:total]
+            if total > len(seg):  # the rest is read from the segment when the kernel runs
+                seg += dev._mem(segment_ptr + len(seg), total - len(seg)).tobytes()
             n = int(header["ndesc"])
             if int(header["nblocks"]) != nblocks:
                 raise AssertionError(
