@@ -136,6 +136,9 @@ step hot_path 40 env PYTHONPATH=. "$PY" bench/hot_path.py --n 32
 if [[ -f bench/param_probe.py ]]; then
     step param_probe 60 "$PY" bench/param_probe.py --json "$work/bench/param_probe.json"
 fi
+if [[ -f bench/kernel_floor.py ]]; then
+    step kernel_floor 60 "$PY" bench/kernel_floor.py --json "$work/bench/kernel_floor.json"
+fi
 for ex in examples/*.py; do
     [[ -f "$ex" ]] || continue
     step "example_$(basename "$ex" .py)" 60 env PYTHONPATH=. "$PY" "$ex"

@@ -1,0 +1,213 @@
+"""Where a small scatter's kernel time goes, above an empty launch.
+
+``bench/param_probe.py`` found a carried one-copy scatter ~1.2 us above an empty
+kernel with as many parameter bytes. This probe times microkernels that add one
+ingredient at a time (threads, one global store, a load from the parameter
+buffer, a dependent second load, a block-wide barrier count, more blocks), then
+reads of mapped pinned memory spread over a varying number of blocks (does the
+PCIe read rate depend on how many SMs issue it?). Same method as the bench: a
+held stream, an event pair around the launch.
+
+Usage: python bench/kernel_floor.py [--reps 200] [--json PATH]. Needs CuPy and a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import platform
+import sys
+from pathlib import Path
+
+import numpy as np
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from cucopy.backends import cuda as cb  # noqa: E402
+
+CAP = 1008  # parameter bytes after the 16-byte prefix, as cucopy_scatter_c1k
+
+_SRC = r"""
+typedef unsigned long long u64;
+typedef unsigned int u32;
+struct __align__(16) P { u64 dst; u64 src; u32 n; u32 pad; unsigned char b[CAP]; };
+
+extern "C" __global__ void empty(const __grid_constant__ P p) {}
+
+extern "C" __global__ void store4(const __grid_constant__ P p) {
+    if (threadIdx.x == 0) *reinterpret_cast<u32*>(p.dst) = 1u;
+}
+
+// 16 bytes from the parameter buffer, through a generic pointer, to dst.
+extern "C" __global__ void param16(const __grid_constant__ P p) {
+    if (threadIdx.x == 0) {
+        const uint4 x = *reinterpret_cast<const uint4*>(p.b);
+        *reinterpret_cast<uint4*>(p.dst + 16u * blockIdx.x) = x;
+    }
+}
+
+// an offset read from the buffer, then 16 bytes at that offset: two dependent loads.
+extern "C" __global__ void chain2(const __grid_constant__ P p) {
+    if (threadIdx.x == 0) {
+        const u32 off = *reinterpret_cast<const u32*>(p.b);
+        const uint4 x = *reinterpret_cast<const uint4*>(p.b + off);
+        *reinterpret_cast<uint4*>(p.dst + 16u * blockIdx.x) = x;
+    }
+}
+
+// every thread reads a word of the buffer, a barrier count picks one, then chain2.
+extern "C" __global__ void chain2_count(const __grid_constant__ P p) {
+    const u32 w = reinterpret_cast<const u32*>(p.b)[threadIdx.x];
+    const unsigned c = __syncthreads_count(w <= blockIdx.x);
+    if (threadIdx.x == 0) {
+        const u32 off = *reinterpret_cast<const u32*>(p.b) + 16u * (c & 0u);
+        const uint4 x = *reinterpret_cast<const uint4*>(p.b + off);
+        *reinterpret_cast<uint4*>(p.dst + 16u * blockIdx.x) = x;
+    }
+}
+
+// p.n bytes of mapped memory at p.src, split evenly over the grid, 16 B per thread per
+// round, four rounds in flight; copied to p.dst.
+extern "C" __global__ void mapped_read(const __grid_constant__ P p) {
+    const u32 words = p.n / 16u;
+    const u32 per = (words + gridDim.x - 1u) / gridDim.x;
+    const u32 lo = blockIdx.x * per;
+    const u32 hi = min(words, lo + per);
+    const uint4* s = reinterpret_cast<const uint4*>(p.src);
+    uint4* d = reinterpret_cast<uint4*>(p.dst);
+    for (u32 i = lo + threadIdx.x; i < hi; i += 4u * blockDim.x) {
+        uint4 x[4];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const u32 j = i + k * blockDim.x;
+            if (j < hi) x[k] = __ldg(s + j);
+        }
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const u32 j = i + k * blockDim.x;
+            if (j < hi) d[j] = x[k];
+        }
+    }
+}
+""".replace("CAP", str(CAP))
+
+
+class _Params(ctypes.Structure):
+    _fields_ = [
+        ("dst", ctypes.c_uint64),
+        ("src", ctypes.c_uint64),
+        ("n", ctypes.c_uint32),
+        ("pad", ctypes.c_uint32),
+        ("b", ctypes.c_ubyte * CAP),
+    ]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--reps", type=int, default=200)
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args(argv)
+
+    import cupy
+
+    be = cb.CudaBackend(0)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    h = stream.ptr
+    mod = cupy.RawModule(code=_SRC, options=("-std=c++17",))
+    fns = {
+        name: mod.get_function(name).kernel.ptr
+        for name in ("empty", "store4", "param16", "chain2", "chain2_count", "mapped_read")
+    }
+    dst = cupy.zeros(1 << 20, np.uint8)
+    pinned = be.alloc_pinned(1 << 20)
+    pinned.array[:] = np.arange(1 << 20) % 251
+    prm = _Params()
+    prm.dst = int(dst.data.ptr)
+    prm.src = int(pinned.device_ptr)
+    words = np.frombuffer(prm.b, np.uint32)
+    words[:] = 0
+    words[0] = 16  # chain2's offset
+    size = ctypes.c_size_t(ctypes.sizeof(prm))
+    extra = (ctypes.c_void_p * 5)(1, ctypes.addressof(prm), 2, ctypes.addressof(size), 0)
+    e0, e1 = cupy.cuda.Event(), cupy.cuda.Event()
+
+    def timed(launch):
+        out = []
+        for i in range(args.reps + 10):
+            with be.hold(h):
+                e0.record(stream)
+                launch()
+                e1.record(stream)
+            e1.synchronize()
+            if i >= 10:
+                out.append(cupy.cuda.get_elapsed_time(e0, e1) * 1000.0)
+        return out
+
+    def launch(name, grid, block, n=0):
+        def go():
+            prm.n = n
+            cb._launch(fns[name], grid, 1, 1, block, 1, 1, 0, h, 0, ctypes.addressof(extra))
+
+        return go
+
+    rows = []
+
+    def record(name, samples, **extra_fields):
+        a = np.asarray(samples)
+        row = {
+            "name": name,
+            **extra_fields,
+            "median_us": float(np.median(a)),
+            "p10_us": float(np.percentile(a, 10)),
+            "p90_us": float(np.percentile(a, 90)),
+            "samples_us": [round(float(x), 3) for x in a],
+        }
+        rows.append(row)
+        print(f"{name:44s} {row['median_us']:6.2f} [{row['p10_us']:.2f}-{row['p90_us']:.2f}]")
+
+    record("event pair alone", timed(lambda: None))
+    record("empty, 1 x 32 threads", timed(launch("empty", 1, 32)))
+    record("empty, 1 x 256 threads", timed(launch("empty", 1, 256)))
+    record("empty, 32 x 256 threads", timed(launch("empty", 32, 256)))
+    record("empty, 128 x 256 threads", timed(launch("empty", 128, 256)))
+    record("one 4 B store, 1 x 256", timed(launch("store4", 1, 256)))
+    record("param 16 B -> store, 1 x 256", timed(launch("param16", 1, 256)))
+    record("param 16 B -> store, 32 x 256", timed(launch("param16", 32, 256)))
+    record("two dependent param loads, 1 x 256", timed(launch("chain2", 1, 256)))
+    record("two dependent param loads, 32 x 256", timed(launch("chain2", 32, 256)))
+    record("count + two loads, 1 x 256", timed(launch("chain2_count", 1, 256)))
+    record("count + two loads, 32 x 256", timed(launch("chain2_count", 32, 256)))
+    for nbytes in (20480, 90112):
+        for grid in (1, 2, 6, 22, 44, 88, 132):
+            record(
+                f"mapped read {nbytes} B on {grid} blocks",
+                timed(launch("mapped_read", grid, 256, nbytes)),
+                nbytes=nbytes,
+                grid=grid,
+            )
+    stream.synchronize()
+    ok = bool((dst[:90112].get() == pinned.array[:90112]).all())
+    print("mapped_read copied the bytes:", ok)
+    result = {
+        "scenario": "kernel_floor",
+        "environment": {
+            "python": platform.python_version(),
+            "cupy": cupy.__version__,
+            "device": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(),
+            "driver": cupy.cuda.runtime.driverGetVersion(),
+            "runtime": cupy.cuda.runtime.runtimeGetVersion(),
+        },
+        "reps": args.reps,
+        "mapped_read_verified": ok,
+        "rows": rows,
+    }
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1))
+        print(f"wrote {args.json}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
