@@ -28,6 +28,8 @@ if __package__ in (None, ""):
 from cucopy.backends import cuda as cb  # noqa: E402
 
 CAP = 1008  # parameter bytes after the 16-byte prefix, as cucopy_scatter_c1k
+BIG = 22512  # as cucopy_scatter_c22k: a 128-descriptor table, or a whole N = 32 step
+NDESC = 128
 
 _SRC = r"""
 typedef unsigned long long u64;
@@ -91,7 +93,84 @@ extern "C" __global__ void mapped_read(const __grid_constant__ P p) {
         }
     }
 }
-""".replace("CAP", str(CAP))
+
+// -- a 128-entry table of 48-byte descriptors at offset 32 of a 22 KiB buffer;
+// block_start (the last word of each) = i. How should a block find its entry?
+struct __align__(16) Q { u64 dst; u64 src; u32 n; u32 pad; u64 pad2; unsigned char b[BIG]; };
+
+extern "C" __global__ void big_empty(const __grid_constant__ Q p) {}
+
+// as cucopy_scatter_c* does now: thread t loads descriptor t (3 x 16 B) through a
+// generic pointer, a barrier count names the owner, its thread passes it on in
+// shared memory.
+template <bool kGeneric>
+__device__ void spec(const Q& p) {
+    __shared__ uint4 s[3];
+    const unsigned t = threadIdx.x;
+    uint4 w0 = make_uint4(0, 0, 0, 0), w1 = w0, w2 = w0;
+    if (t < p.n) {
+        if (kGeneric) {
+            const u64 a = reinterpret_cast<u64>(p.b) + 32u + 48u * t;
+            w0 = *reinterpret_cast<const uint4*>(a);
+            w1 = *reinterpret_cast<const uint4*>(a + 16u);
+            w2 = *reinterpret_cast<const uint4*>(a + 32u);
+        } else {
+            const uint4* e = reinterpret_cast<const uint4*>(p.b + 32u + 48u * t);
+            w0 = e[0];
+            w1 = e[1];
+            w2 = e[2];
+        }
+    }
+    const unsigned owner = __syncthreads_count(t < p.n && w2.w <= blockIdx.x);
+    if (t + 1u == owner) {
+        s[0] = w0;
+        s[1] = w1;
+        s[2] = w2;
+    }
+    __syncthreads();
+    if (t == 0u) {
+        const uint4 x = s[0];
+        *reinterpret_cast<uint4*>(p.dst + 16u * blockIdx.x) = make_uint4(x.x, x.y, s[2].w, owner);
+    }
+}
+extern "C" __global__ void spec_generic(const __grid_constant__ Q p) { spec<true>(p); }
+extern "C" __global__ void spec_param(const __grid_constant__ Q p) { spec<false>(p); }
+
+// every thread runs the same binary search over block_start (warp-uniform loads:
+// one broadcast each), then reads the descriptor with uniform loads: no barrier.
+template <bool kGeneric>
+__device__ void search(const Q& p) {
+    u32 lo = 0u, hi = p.n;
+    const u64 a = reinterpret_cast<u64>(p.b) + 32u;
+    while (hi - lo > 1u) {
+        const u32 mid = (lo + hi) >> 1;
+        const u32 bs = kGeneric ? *reinterpret_cast<const u32*>(a + 48u * mid + 44u)
+                                : *reinterpret_cast<const u32*>(p.b + 32u + 48u * mid + 44u);
+        if (bs <= blockIdx.x) lo = mid; else hi = mid;
+    }
+    const uint4 x = kGeneric ? *reinterpret_cast<const uint4*>(a + 48u * lo)
+                             : *reinterpret_cast<const uint4*>(p.b + 32u + 48u * lo);
+    if (threadIdx.x == 0u) {
+        *reinterpret_cast<uint4*>(p.dst + 16u * blockIdx.x) = make_uint4(x.x, x.y, lo, 0u);
+    }
+}
+extern "C" __global__ void search_generic(const __grid_constant__ Q p) { search<true>(p); }
+extern "C" __global__ void search_param(const __grid_constant__ Q p) { search<false>(p); }
+
+// p.n bytes of the buffer itself copied out, 16 B per thread, grid-stride: the
+// divergent reads an inline segment's data makes.
+template <bool kGeneric>
+__device__ void data(const Q& p) {
+    const u32 words = p.n / 16u;
+    uint4* d = reinterpret_cast<uint4*>(p.dst);
+    for (u32 i = blockIdx.x * blockDim.x + threadIdx.x; i < words; i += gridDim.x * blockDim.x) {
+        d[i] = kGeneric ? *reinterpret_cast<const uint4*>(reinterpret_cast<u64>(p.b) + 16u * i)
+                        : reinterpret_cast<const uint4*>(p.b)[i];
+    }
+}
+extern "C" __global__ void data_generic(const __grid_constant__ Q p) { data<true>(p); }
+extern "C" __global__ void data_param(const __grid_constant__ Q p) { data<false>(p); }
+""".replace("BIG", str(BIG)).replace("CAP", str(CAP))
 
 
 class _Params(ctypes.Structure):
@@ -102,6 +181,28 @@ class _Params(ctypes.Structure):
         ("pad", ctypes.c_uint32),
         ("b", ctypes.c_ubyte * CAP),
     ]
+
+
+class _Big(ctypes.Structure):
+    _fields_ = [
+        ("dst", ctypes.c_uint64),
+        ("src", ctypes.c_uint64),
+        ("n", ctypes.c_uint32),
+        ("pad", ctypes.c_uint32),
+        ("pad2", ctypes.c_uint64),
+        ("b", ctypes.c_ubyte * BIG),
+    ]
+
+
+_BIG_KERNELS = (
+    "big_empty",
+    "spec_generic",
+    "spec_param",
+    "search_generic",
+    "search_param",
+    "data_generic",
+    "data_param",
+)
 
 
 def main(argv=None) -> int:
@@ -119,6 +220,7 @@ def main(argv=None) -> int:
     fns = {
         name: mod.get_function(name).kernel.ptr
         for name in ("empty", "store4", "param16", "chain2", "chain2_count", "mapped_read")
+        + _BIG_KERNELS
     }
     dst = cupy.zeros(1 << 20, np.uint8)
     pinned = be.alloc_pinned(1 << 20)
@@ -131,6 +233,15 @@ def main(argv=None) -> int:
     words[0] = 16  # chain2's offset
     size = ctypes.c_size_t(ctypes.sizeof(prm))
     extra = (ctypes.c_void_p * 5)(1, ctypes.addressof(prm), 2, ctypes.addressof(size), 0)
+    big = _Big()
+    big.dst = prm.dst + (1 << 19)  # clear of what mapped_read writes
+    big.src = prm.src
+    table = np.frombuffer(big.b, np.uint32)
+    table[:] = np.arange(table.size, dtype=np.uint32)
+    starts = (32 + 48 * np.arange(NDESC) + 44) // 4
+    table[starts] = np.arange(NDESC, dtype=np.uint32)
+    big_size = ctypes.c_size_t(ctypes.sizeof(big))
+    big_extra = (ctypes.c_void_p * 5)(1, ctypes.addressof(big), 2, ctypes.addressof(big_size), 0)
     e0, e1 = cupy.cuda.Event(), cupy.cuda.Event()
 
     def timed(launch):
@@ -149,6 +260,13 @@ def main(argv=None) -> int:
         def go():
             prm.n = n
             cb._launch(fns[name], grid, 1, 1, block, 1, 1, 0, h, 0, ctypes.addressof(extra))
+
+        return go
+
+    def launch_big(name, grid, n):
+        def go():
+            big.n = n
+            cb._launch(fns[name], grid, 1, 1, 256, 1, 1, 0, h, 0, ctypes.addressof(big_extra))
 
         return go
 
@@ -187,9 +305,29 @@ def main(argv=None) -> int:
                 nbytes=nbytes,
                 grid=grid,
             )
+    record(f"empty, {BIG} B of parameters, 130 x 256", timed(launch_big("big_empty", 130, 0)))
+    for how in ("generic", "param"):
+        record(
+            f"table: thread t reads desc t, count ({how})",
+            timed(launch_big(f"spec_{how}", NDESC, NDESC)),
+        )
+        record(
+            f"table: uniform binary search ({how})",
+            timed(launch_big(f"search_{how}", NDESC, NDESC)),
+        )
+    for how in ("generic", "param"):
+        for grid in (5, 40):
+            record(
+                f"20 KiB of carried data, 16 B/thread, {grid} blocks ({how})",
+                timed(launch_big(f"data_{how}", grid, 20480)),
+            )
     stream.synchronize()
+    got = dst[1 << 19 : (1 << 19) + 20480].get()
+    ok_data = bool((got == np.frombuffer(big.b, np.uint8)[:20480]).all())
+    print("data_* copied the bytes:", ok_data)
     ok = bool((dst[:90112].get() == pinned.array[:90112]).all())
     print("mapped_read copied the bytes:", ok)
+    ok = ok and ok_data
     result = {
         "scenario": "kernel_floor",
         "environment": {

@@ -1022,21 +1022,35 @@ class DeviceCopier:
             return
         slot = self._slot
         seg, data0, end = self._seg, self._data0, pack.align(self._cursor)
-        n = len(descs)
-        need0 = pack.align(seg + pack.HEADER_BYTES + n * pack.DESC_BYTES)
         shift = 0
-        if need0 > data0:  # the table outgrew its reservation: move the data up
-            shift = need0 - data0
-            slot.array[need0 : end + shift] = slot.array[data0:end].copy()
-            end += shift
-            data0 = need0
-        self._reserve = max(self._reserve, n)
         checker = self._checker
         try:
             if checker is not None:
                 checker.before_flush(entries)
-            # H2D rows carry slot offsets; the wire format wants segment offsets
-            nblocks = pack.encode(slot.mv[seg:data0], descs, data0 - seg, end - seg, shift - seg)
+            while True:
+                n = len(descs)
+                need0 = pack.align(seg + pack.HEADER_BYTES + n * pack.DESC_BYTES)
+                if need0 > data0:  # the table outgrew its reservation: move the data up
+                    up = need0 - data0
+                    slot.array[need0 : end + up] = slot.array[data0:end].copy()
+                    end += up
+                    shift += up
+                    data0 = need0
+                # H2D rows carry slot offsets; the wire format wants segment offsets
+                nblocks = pack.encode(
+                    slot.mv[seg:data0], descs, data0 - seg, end - seg, shift - seg
+                )
+                if nblocks == n:
+                    break
+                # a descriptor spans several blocks: cut it so that block b runs
+                # descriptor b (the carried kernel then searches no table), if the
+                # longer table fits below the slot's eager snapshots
+                pieces = pack.split(descs)
+                grow = pack.align(seg + pack.HEADER_BYTES + len(pieces) * pack.DESC_BYTES)
+                if len(pieces) == n or end + max(0, grow - data0) > slot.top:
+                    break
+                descs = pieces
+            self._reserve = max(self._reserve, n)
             total = end - seg
             head = data0 - seg  # header and descriptor table
             be = self._backend

@@ -37,6 +37,7 @@ __all__ = [
     "THREADS",
     "align",
     "blocks_for",
+    "split",
     "encode",
     "decode",
 ]
@@ -175,6 +176,85 @@ def blocks_for(width: int, rows: int = 1) -> int:
     """Thread blocks given to a descriptor of ``rows`` rows of ``width`` bytes."""
     windows = (width + 15) // 16 if rows == 1 else rows * ((width + 15) // 16 + 1)
     return max(1, (windows + WINDOWS_PER_BLOCK - 1) // WINDOWS_PER_BLOCK)
+
+
+def split(descs: list) -> list:
+    """The same copies as ``descs``, cut so that each descriptor needs one thread block.
+
+    A segment whose every descriptor owns exactly one block (``ndesc == nblocks``)
+    lets the carried scatter kernel find block ``b``'s work at descriptor ``b``, with
+    no search of the table. One-dimensional rows (and dense 2-D ones, flattened) are
+    cut every :data:`BLOCK_BYTES`; 2-D copies into runs of rows that fill a block, and
+    a row wider than a block into pieces of it. The pieces write exactly the bytes
+    the descriptor wrote, whatever order they run in.
+
+    Parameters
+    ----------
+    descs : list of tuple
+        Descriptor rows as :func:`encode` takes them (H2D ``src`` an offset, D2D
+        ``src`` an address: either way, a piece's source moves with its destination).
+
+    Returns
+    -------
+    list of tuple
+        ``descs`` itself when no descriptor needs more than one block, else a new list.
+    """
+    out = None
+    for i, d in enumerate(descs):
+        dst, src, value, dpitch, spitch, width, rows, kind, elem, _ = d
+        per_row = (width + 15) >> 4
+        windows = per_row if rows == 1 else rows * (per_row + 1)
+        if windows <= WINDOWS_PER_BLOCK or width == 0 or rows == 0:
+            if out is not None:
+                out.append(d)
+            continue
+        if out is None:
+            out = list(descs[:i])
+        fill = kind == KIND_FILL
+        if fill and elem not in (1, 2, 4, 8):
+            out.append(d)  # the kernel skips it whole; nothing to cut
+            continue
+        if (
+            rows > 1
+            and dpitch == width
+            and (fill or spitch == width)
+            and not (fill and width % elem)
+        ):
+            width, rows = width * rows, 1  # dense: one long row
+        if rows == 1:
+            runs = [(0, 1)]
+        else:
+            per = max(1, WINDOWS_PER_BLOCK // (per_row + 1))
+            runs = [(r, min(per, rows - r)) for r in range(0, rows, per)]
+        # pieces of a row start at multiples of BLOCK_BYTES from its start: a multiple
+        # of any fill element, so each piece's pattern starts in phase
+        cols = [(0, width)] if rows > 1 and per_row + 1 <= WINDOWS_PER_BLOCK else None
+        if cols is None:
+            cols = [(c, min(BLOCK_BYTES, width - c)) for c in range(0, width, BLOCK_BYTES)]
+            if rows > 1:
+                runs = [(r, 1) for r in range(rows)]
+        sk = 0 if fill else 1
+        for r, nr in runs:
+            for c, w in cols:
+                if nr == 1:
+                    dp, sp = w, w * sk
+                else:
+                    dp, sp = dpitch, spitch
+                out.append(
+                    (
+                        dst + r * dpitch + c,
+                        src + (r * spitch + c) * sk,
+                        value,
+                        dp,
+                        sp,
+                        w,
+                        nr,
+                        kind if nr > 1 or kind != KIND_H2D_2D else KIND_H2D,
+                        elem,
+                        0,
+                    )
+                )
+    return descs if out is None else out
 
 
 # struct layouts derived from the dtypes above, for packing from Python at flush

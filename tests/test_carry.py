@@ -176,3 +176,64 @@ def test_stats_report_segment_modes(env):
     c.stats.reset()
     assert c.stats.modes == {"dma": 0, "mapped": 0, "inline": 0}
     c.close()
+
+
+def _spy_launches(c):
+    """Record (launched blocks, header ndesc, header nblocks) of each scatter, at the call."""
+    seen = []
+    scatter = c._backend.scatter
+
+    def spy(segment_ptr, nblocks, stream, mapped, carry=0, host_ptr=0):
+        head = c._slot.array[c._seg : c._seg + pack.HEADER_BYTES].tobytes()
+        header, _ = pack.decode(head)
+        seen.append((nblocks, int(header["ndesc"]), int(header["nblocks"])))
+        return scatter(segment_ptr, nblocks, stream, mapped, carry, host_ptr)
+
+    c._backend.scatter = spy
+    return seen
+
+
+@pytest.mark.parametrize("mode", ["auto", "inline", "mapped", "dma"])
+def test_wide_copies_are_cut_to_one_block_a_descriptor(env, mode):
+    # A copy wider than one block (pack.BLOCK_BYTES), a tall 2-D one and a long fill
+    # go out as one-block pieces, so block b runs descriptor b; the bytes that land
+    # are the same.
+    c = env.copier(PLAN, flush_mode=mode)
+    seen = _spy_launches(c)
+    wide = np.arange(3 * 1024 + 5, dtype=np.int32) * 3 - 7
+    a = env.empty((wide.size,))
+    tall = env.empty((600, 4))
+    rows = np.arange(600 * 3, dtype=np.int32).reshape(600, 3)
+    f = env.empty((9000,))
+    for step in range(2):  # the second step finds the longer table reserved
+        with c.step():
+            c.copy(Site.POS, a, wide + step)
+            c.copy(Site.LENS, tall[:, :3], rows - step)
+            c.fill_tail(Site.PAD, f, 0, -1 - step)
+        assert env.to_host(a).tolist() == (wide + step).tolist()
+        assert env.to_host(tall)[:, :3].tolist() == (rows - step).tolist()
+        assert env.to_host(f).tolist() == [-1 - step] * 9000
+    assert len(seen) == 2
+    for launched, ndesc, nblocks in seen:
+        assert launched == nblocks == ndesc > 3
+    c.close()
+
+
+def test_a_cut_that_does_not_fit_below_the_snapshots_is_left_whole(env):
+    # In a 4 KiB slot holding 2.8 KB of data, a 128 KiB fill cannot grow the table
+    # to 33 descriptors (its reservation holds 16): it goes out whole (its blocks
+    # search the table) and still lands.
+    c = env.copier(PLAN, capacity=4096, flush_mode="mapped")
+    seen = _spy_launches(c)
+    a = env.empty((700,))
+    f = env.empty((1 << 15,))
+    values = np.arange(700, dtype=np.int32)
+    with c.step():
+        c.copy(Site.POS, a, values)
+        c.fill_tail(Site.PAD, f, 0, 5)
+    assert c.stats.sites[Site.POS].merged == 1
+    assert env.to_host(a).tolist() == values.tolist()
+    assert env.to_host(f).tolist() == [5] * (1 << 15)
+    assert seen and all(launched == nblocks for launched, _, nblocks in seen)
+    assert any(ndesc < nblocks for _, ndesc, nblocks in seen)
+    c.close()
