@@ -67,6 +67,7 @@ def make_segment(
     max_desc: int = 64,
     max_bytes: int = 256 << 10,
     kinds: tuple[int, ...] = KINDS,
+    cut: bool = False,
 ) -> Segment:
     """Build one random segment whose destinations do not overlap.
 
@@ -84,6 +85,10 @@ def make_segment(
         Upper bounds on the descriptor count and on one descriptor's bytes.
     kinds : tuple of int
         Descriptor kinds to draw from.
+    cut : bool
+        Cut descriptors wider than a block with :func:`cucopy.pack.split`, as the
+        copier does, so that every descriptor owns one block (the carried
+        kernel's direct path).
 
     Returns
     -------
@@ -144,10 +149,8 @@ def make_segment(
         cursor += extent + int(rng.integers(0, 40))
     order = rng.permutation(len(descs))
     descs = [descs[i] for i in order]
-    n = len(descs)
-    data_offset = pack.align(pack.HEADER_BYTES + n * pack.DESC_BYTES)
     chunks = []
-    off = data_offset
+    off = 0  # data offsets relative to the data region (16-byte aligned)
     for d in descs:
         kind, width, rows = d[7], d[5], d[6]
         if kind in (pack.KIND_H2D, pack.KIND_H2D_2D):
@@ -160,11 +163,18 @@ def make_segment(
             d[1] = off
             chunks.append((off, rng.integers(0, 256, nbytes, dtype=np.uint8)))
             off += nbytes
-    total = pack.align(off)
+    rows_out = [(d[0], d[1], d[2], d[3], d[4], d[5], d[6], d[7], d[8], 0) for d in descs]
+    if cut:
+        rows_out = pack.split(rows_out)
+    data_offset = pack.align(pack.HEADER_BYTES + len(rows_out) * pack.DESC_BYTES)
+    total = pack.align(data_offset + off)
     buf = np.zeros(total, dtype=np.uint8)
     for o, payload in chunks:
-        buf[o : o + payload.size] = payload
-    rows_out = [(d[0], d[1], d[2], d[3], d[4], d[5], d[6], d[7], d[8], 0) for d in descs]
+        buf[data_offset + o : data_offset + o + payload.size] = payload
+    rows_out = [
+        (r[0], r[1] + data_offset, *r[2:]) if r[7] in (pack.KIND_H2D, pack.KIND_H2D_2D) else r
+        for r in rows_out
+    ]
     nblocks = pack.encode(buf[:data_offset], rows_out, data_offset, total)
     return Segment(buf, nblocks, rows_out)
 
@@ -248,6 +258,8 @@ class Harness:
         self.caps = self.backend.carry_capacities()
         #: launches by how much they carried: "none", "head", "all"
         self.carried = {"none": 0, "head": 0, "all": 0}
+        #: carried launches of one block a descriptor (the kernel's direct path)
+        self.direct = 0
 
     def segment(self, rng: np.random.Generator, **kw) -> Segment:
         """A random segment aimed at this arena (see :func:`make_segment`)."""
@@ -292,6 +304,7 @@ class Harness:
             carry = self._carry(s, mode) if mode in ("carried", "inline") else 0
             if carry:
                 self.carried["all" if carry == s.data.size else "head"] += 1
+                self.direct += s.nblocks == len(s.descs)
                 self.backend.scatter(base + o, s.nblocks, 0, True, carry, self.stage_host_ptr + o)
             else:
                 self.carried["none"] += 1
@@ -409,6 +422,12 @@ def main(argv: list[str] | None = None) -> int:
         for n in (257, 1000):
             segs = [h.segment(rng, ndesc=n, max_bytes=256)]
             failures += h.check(segs, mode)
+        # One block a descriptor, as the copier cuts them (the carried kernel's direct path).
+        segs = [
+            h.segment(rng, max_desc=args.max_desc, max_bytes=args.max_bytes, cut=True)
+            for _ in range(10)
+        ]
+        failures += h.check(segs, mode)
         # Block counts other than pack.blocks_for's.
         segs = [reblock(h.segment(rng, max_desc=args.max_desc), rng) for _ in range(10)]
         failures += h.check(segs, mode)
@@ -416,8 +435,8 @@ def main(argv: list[str] | None = None) -> int:
             segs = [h.segment(rng, max_desc=args.max_desc, max_bytes=512) for _ in range(50)]
             failures += h.check(segs, mode)
             done += 50
-        print(f"{mode}: {done + 12} segments checked", flush=True)
-    print(f"launches by bytes carried: {h.carried}", flush=True)
+        print(f"{mode}: {done + 22} segments checked", flush=True)
+    print(f"launches by bytes carried: {h.carried}, one block a descriptor: {h.direct}", flush=True)
     for i in range(args.fills):
         failures += h.check_fill(rng, grid=None if i % 2 else int(rng.integers(1, 8)))
     print(f"fill: {args.fills} launches checked", flush=True)

@@ -96,6 +96,22 @@ def test_scatter_large_tables(harness, mode, ndesc):
     _check_batches(harness, rng, mode, segments=3, batch=3, ndesc=ndesc, max_bytes=600)
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_scatter_cut_segments(harness, mode):
+    # Descriptors cut to one block each (pack.split, as the copier flushes them):
+    # the carried kernel runs descriptor b in block b without a table search.
+    rng = np.random.default_rng(8)
+    segs = [harness.segment(rng, cut=True) for _ in range(200)]
+    segs += [harness.segment(rng, cut=True, max_bytes=64) for _ in range(100)]
+    assert all(s.nblocks == len(s.descs) for s in segs)
+    assert any(s.nblocks > 200 for s in segs)
+    direct = harness.direct
+    failures = harness.check(segs, mode)
+    assert not failures, "\n".join(failures)
+    if mode in ("carried", "inline"):
+        assert harness.direct - direct > 200  # most took the direct path
+
+
 def test_scatter_large_descriptors_span_blocks(harness):
     rng = np.random.default_rng(5)
     segs = [harness.segment(rng, ndesc=4, max_bytes=256 << 10) for _ in range(20)]

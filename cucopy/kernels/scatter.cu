@@ -47,9 +47,11 @@ struct CucopyDesc {
 #define CUCOPY_KIND_FILL 4u
 // pack.THREADS: the host sizes a descriptor's block run for this many threads.
 #define CUCOPY_THREADS 256
-// Windows per thread kept in flight: pack.BLOCK_BYTES (16 KiB) is 1024 windows
-// of 16 bytes, so a full block is exactly one round of 4 loads per thread, all
-// issued before the first store (one memory round trip, not four).
+// Windows per thread kept in flight: the host gives a block pack.BLOCK_BYTES
+// (4 KiB, 256 windows of 16 bytes: one a thread), but a block whose windows are
+// more (a narrow 2-D row's ends, a descriptor whose blocks the host did not
+// count) still issues 4 loads a thread before the first store (one memory
+// round trip, not four).
 #define CUCOPY_UNROLL 4
 // Up to this many descriptors the whole table (48 B each, 12 KiB) is read into
 // shared memory in one coalesced pass: a block then finds and reads its
@@ -371,12 +373,13 @@ static __device__ __forceinline__ void cucopy_run(const CucopyJob& j, cucopy_u64
     }
 }
 
-// Block b's share of descriptor d, whose blocks run up to next_start;
-// segment offsets in d are relative to seg (an address in global memory, or in
-// the launch's parameter buffer when kCarried).
+// Block b's share of descriptor d, whose blocks run up to next_start (or all of
+// it, whole: the segment gives each descriptor one block); segment offsets in d
+// are relative to seg (an address in global memory, or in the launch's
+// parameter buffer when kCarried).
 template <bool kCarried>
 static __device__ __forceinline__ void cucopy_apply(const CucopyDesc& d, cucopy_u32 next_start,
-                                                    cucopy_u64 seg, cucopy_u32 b)
+                                                    cucopy_u64 seg, cucopy_u32 b, bool whole)
 {
     const cucopy_u32 kind = d.kind;
     CucopyJob j;
@@ -384,12 +387,15 @@ static __device__ __forceinline__ void cucopy_apply(const CucopyDesc& d, cucopy_
                          d.dst_pitch, d.src_pitch, d.width, d.rows, d.elem)) {
         return;
     }
-    const cucopy_u32 first_block = d.block_start;
-    const cucopy_u32 nb = next_start > first_block ? next_start - first_block : 1u;
     const cucopy_u64 total = j.rows * j.ppr;
-    const cucopy_u64 per = (total + nb - 1u) / nb;
-    const cucopy_u64 begin = min(total, (cucopy_u64)(b - first_block) * per);
-    const cucopy_u64 end = min(total, begin + per);
+    cucopy_u64 begin = 0, end = total;
+    if (!whole) {
+        const cucopy_u32 first_block = d.block_start;
+        const cucopy_u32 nb = next_start > first_block ? next_start - first_block : 1u;
+        const cucopy_u64 per = (total + nb - 1u) / nb;
+        begin = min(total, (cucopy_u64)(b - first_block) * per);
+        end = min(total, begin + per);
+    }
     cucopy_run<kCarried>(j, begin + threadIdx.x, end, CUCOPY_THREADS);
 }
 
@@ -504,7 +510,7 @@ cucopy_scatter(const unsigned char* __restrict__ seg)
         next_start = s_head[0];
     }
 
-    cucopy_apply<false>(*d, next_start, reinterpret_cast<cucopy_u64>(seg), b);
+    cucopy_apply<false>(*d, next_start, reinterpret_cast<cucopy_u64>(seg), b, false);
 }
 
 // Standalone fill of `rows` rows of `width` bytes, `dpitch` apart, with the
@@ -560,34 +566,29 @@ static __device__ __forceinline__ cucopy_u32 cucopy_param_u32(cucopy_u64 addr)
     return *reinterpret_cast<const cucopy_u32*>(addr);
 }
 
-// Finding a block's descriptor is a chain of dependent reads of the parameter
-// buffer (header, table, then the data): bench/param_probe.py measured a
-// carried one-copy launch 1.1 to 1.2 us above an empty launch with as many
-// parameter bytes (bench/results/2026-11-30-h200-probe, -run7, -run8). To keep
-// the chain short the kernel reads the header and, speculatively, the table
-// together: pack.encode
-// puts the table right after the header, and thread t reads descriptor t where
-// it lies inside the buffer. Up to CUCOPY_THREADS descriptors that is the whole
-// lookup: one barrier count names the owner, whose thread hands its descriptor
-// to the block through shared memory, and the data reads follow. Other tables
-// (a larger one, or one placed elsewhere) take a 32-way search per warp.
+// Reads of the parameter buffer are not free (bench/kernel_floor.py, stored in
+// bench/results/2026-11-30-h200-run9 and later: 128 blocks that each read a
+// 128-entry table, one descriptor a thread, then count, cost ~1 us above an
+// empty launch; a uniform binary search as much). So a block first tries the
+// common layout: header and descriptor b, read together with warp-uniform
+// loads (one broadcast each), one round; then only the data's reads diverge. Other
+// segments (a descriptor spanning several blocks, a table placed elsewhere) find
+// the owner as before: up to CUCOPY_THREADS descriptors, thread t reads
+// descriptor t and one barrier count names it; larger tables take a 32-way
+// search per warp.
 template <unsigned CAP>
 static __device__ __forceinline__ void cucopy_scatter_carried(const CucopyCarried<CAP>& p)
 {
     constexpr unsigned kFit = (CAP - CUCOPY_HEADER_BYTES) / CUCOPY_DESC_BYTES;
+    static_assert(kFit >= 1u, "a carried buffer holds the header and one descriptor");
     __shared__ __align__(16) CucopyDesc s_desc;
     __shared__ cucopy_u32 s_next;
     const cucopy_u32 b = blockIdx.x;
     const unsigned t = threadIdx.x;
     const cucopy_u64 base = reinterpret_cast<cucopy_u64>(p.bytes);
-    uint4 w0 = make_uint4(0u, 0u, 0u, 0u), w1 = w0, w2 = w0;
-    if (t < kFit) {  // speculative: descriptor t, if the table starts at the header's end
-        const uint4* e =
-            reinterpret_cast<const uint4*>(base + CUCOPY_HEADER_BYTES + (cucopy_u64)t * CUCOPY_DESC_BYTES);
-        w0 = e[0];
-        w1 = e[1];
-        w2 = e[2];
-    }
+    const CucopyDesc* const table = reinterpret_cast<const CucopyDesc*>(p.bytes + CUCOPY_HEADER_BYTES);
+    // speculative, and inside the buffer whatever b is: descriptor b
+    const CucopyDesc mine = table[b < kFit ? b : kFit - 1u];
     const cucopy_u32 have = p.nbytes;
     if (have < CUCOPY_HEADER_BYTES || have > CAP) {
         return;
@@ -603,10 +604,23 @@ static __device__ __forceinline__ void cucopy_scatter_carried(const CucopyCarrie
     }
     alignas(16) CucopyDesc d;
     uint4* dw = reinterpret_cast<uint4*>(&d);
-    cucopy_u32 next_start;
-    if (doff == CUCOPY_HEADER_BYTES && n <= CUCOPY_THREADS) {
-        // n <= kFit here: the table lies inside the buffer. block_start is the
-        // last word of a descriptor (offset 44).
+    cucopy_u32 next_start = nblocks;
+    // Every descriptor owns exactly one block (pack.split makes this the common
+    // case): block b runs all of descriptor b, whatever its block_start says.
+    const bool whole = doff == CUCOPY_HEADER_BYTES && n == nblocks;
+    if (whole) {
+        d = mine;  // b < n and the table lies inside the buffer, so b < kFit
+    } else if (doff == CUCOPY_HEADER_BYTES && n <= CUCOPY_THREADS) {
+        // the table lies inside the buffer (n <= kFit); block_start is the last
+        // word of a descriptor (offset 44)
+        uint4 w0 = make_uint4(0u, 0u, 0u, 0u), w1 = w0, w2 = w0;
+        if (t < n) {
+            const uint4* e = reinterpret_cast<const uint4*>(
+                base + CUCOPY_HEADER_BYTES + (cucopy_u64)t * CUCOPY_DESC_BYTES);
+            w0 = e[0];
+            w1 = e[1];
+            w2 = e[2];
+        }
         const cucopy_u32 owner = __syncthreads_count(t < n && w2.w <= b);
         if (owner == 0u) {
             return;  // block_start[0] != 0: not a segment pack.encode wrote
@@ -630,9 +644,9 @@ static __device__ __forceinline__ void cucopy_scatter_carried(const CucopyCarrie
         // search in which each lane reads one candidate (block_start[lo] <= b
         // holds throughout); every warp runs it alike. Up to 32 descriptors
         // take one round, up to 1024 two.
-        const cucopy_u64 table = base + doff;
+        const cucopy_u64 tbl = base + doff;
         const unsigned lane = t & 31u;
-        if (cucopy_param_u32(table + 44u) > b) {
+        if (cucopy_param_u32(tbl + 44u) > b) {
             return;  // block_start[0] != 0: not a segment pack.encode wrote
         }
         cucopy_u32 lo = 0u, hi = n;
@@ -640,7 +654,7 @@ static __device__ __forceinline__ void cucopy_scatter_carried(const CucopyCarrie
             const cucopy_u32 step = (hi - lo + 31u) >> 5;
             const cucopy_u32 i = lo + lane * step;
             const bool below =
-                i < hi && cucopy_param_u32(table + (cucopy_u64)i * CUCOPY_DESC_BYTES + 44u) <= b;
+                i < hi && cucopy_param_u32(tbl + (cucopy_u64)i * CUCOPY_DESC_BYTES + 44u) <= b;
             const unsigned c = __popc(__ballot_sync(0xffffffffu, below));
             if (c == 0u) {
                 return;  // block_start not ascending: not a segment pack.encode wrote
@@ -648,18 +662,18 @@ static __device__ __forceinline__ void cucopy_scatter_carried(const CucopyCarrie
             lo += (c - 1u) * step;
             hi = min(hi, lo + step);
         }
-        const uint4* src = reinterpret_cast<const uint4*>(table + (cucopy_u64)lo * CUCOPY_DESC_BYTES);
+        const uint4* src = reinterpret_cast<const uint4*>(tbl + (cucopy_u64)lo * CUCOPY_DESC_BYTES);
         dw[0] = src[0];
         dw[1] = src[1];
         dw[2] = src[2];
         next_start = lo + 1u < n
-                         ? cucopy_param_u32(table + (cucopy_u64)(lo + 1u) * CUCOPY_DESC_BYTES + 44u)
+                         ? cucopy_param_u32(tbl + (cucopy_u64)(lo + 1u) * CUCOPY_DESC_BYTES + 44u)
                          : nblocks;
     }
     if (h.total_bytes <= have) {
-        cucopy_apply<true>(d, next_start, base, b);
+        cucopy_apply<true>(d, next_start, base, b, whole);
     } else {
-        cucopy_apply<false>(d, next_start, p.seg, b);
+        cucopy_apply<false>(d, next_start, p.seg, b, whole);
     }
 }
 
