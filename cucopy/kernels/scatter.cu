@@ -52,7 +52,17 @@ struct CucopyDesc {
 // more (a narrow 2-D row's ends, a descriptor whose blocks the host did not
 // count) still issues 4 loads a thread before the first store (one memory
 // round trip, not four).
+// (-DCUCOPY_UNROLL=n and -DCUCOPY_EDGE_NOINLINE are tuning knobs for
+// bench/kernel_variants.py; the library builds with neither.)
+#ifndef CUCOPY_UNROLL
 #define CUCOPY_UNROLL 4
+#endif
+// Partial-window reads and writes (row ends only) inlined, or called.
+#ifdef CUCOPY_EDGE_NOINLINE
+#define CUCOPY_EDGE __noinline__
+#else
+#define CUCOPY_EDGE __forceinline__
+#endif
 // Up to this many descriptors the whole table (48 B each, 12 KiB) is read into
 // shared memory in one coalesced pass: a block then finds and reads its
 // descriptor in the same round trip. Reading only the block_start column
@@ -155,7 +165,7 @@ static __device__ __forceinline__ unsigned cucopy_lowbit(unsigned x)
 // arrays belong to the caller, and compute-sanitizer memcheck counts even a
 // discarded over-read.
 template <typename T>
-static __device__ __forceinline__ void cucopy_gather(unsigned (&w)[4], const cucopy_u8* sb,
+static __device__ CUCOPY_EDGE void cucopy_gather(unsigned (&w)[4], const cucopy_u8* sb,
                                                      unsigned lo, unsigned hi)
 {
     constexpr unsigned n = sizeof(T);
@@ -179,7 +189,7 @@ static __device__ __forceinline__ void cucopy_gather(unsigned (&w)[4], const cuc
 // integers: a plain dereference compiles to a generic ST that must first
 // check which address space it hits.
 template <typename T>
-static __device__ __forceinline__ void cucopy_put(cucopy_u8* a, const unsigned (&w)[4],
+static __device__ CUCOPY_EDGE void cucopy_put(cucopy_u8* a, const unsigned (&w)[4],
                                                   unsigned lo, unsigned hi)
 {
     constexpr unsigned n = sizeof(T);

@@ -1,0 +1,212 @@
+"""Builds of the carried scatter kernel on the bench's decode-like steps.
+
+``bench/kernel_floor.py`` put a carried one-copy scatter ~1 us above what its
+parameter reads and data reads cost in microkernels. This probe times the real
+``cucopy_scatter_c*`` built several ways (the library's build, one window a
+thread per round instead of four, row-end code called instead of inlined, both)
+and a lean kernel that handles only what these steps hold (one-row H2D copies
+whose data sits at the destination's offset modulo 16), on the segments of the
+step_cost mix: N = 8 and 32 carried whole ("inline"), N = 128 and 512 with the
+header and table carried and the data read from mapped memory ("mapped"). Each
+launch's result is checked against the step's bytes.
+
+Usage: python bench/kernel_variants.py [--reps 200] [--json PATH]. Needs CuPy and a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import platform
+import sys
+from pathlib import Path
+
+import numpy as np
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench import _common as common  # noqa: E402
+from cucopy import kernels, pack  # noqa: E402
+from cucopy.backends import cuda as cb  # noqa: E402
+
+BUILDS = {
+    "library": (),
+    "unroll1": ("-DCUCOPY_UNROLL=1",),
+    "edge_call": ("-DCUCOPY_EDGE_NOINLINE",),
+    "unroll1_edge_call": ("-DCUCOPY_UNROLL=1", "-DCUCOPY_EDGE_NOINLINE"),
+}
+
+# Only what the bench steps hold: descriptor b is block b's (pack.split), one-row
+# H2D, data at the destination's offset modulo 16.
+_LEAN = r"""
+typedef unsigned long long u64;
+typedef unsigned int u32;
+struct Desc { u64 dst; u64 src; u64 value; u32 dp, sp, width, rows; unsigned short kind, elem; u32 bs; };
+template <unsigned CAP> struct __align__(16) Carried { u64 seg; u32 nbytes; u32 r; unsigned char b[CAP]; };
+
+template <unsigned CAP>
+__device__ void lean(const Carried<CAP>& p) {
+    constexpr unsigned kFit = (CAP - 32u) / 48u;
+    const Desc* table = reinterpret_cast<const Desc*>(p.b + 32);
+    const Desc d = table[blockIdx.x < kFit ? blockIdx.x : kFit - 1u];
+    const u64 total = *reinterpret_cast<const u64*>(p.b + 24);
+    const bool carried = total <= p.nbytes;
+    const u64 src = (carried ? reinterpret_cast<u64>(p.b) : p.seg) + d.src;
+    const u64 a0 = d.dst & ~15ull;
+    const u64 end = d.dst + d.width;
+    const u32 nwin = (u32)((end - a0 + 15u) >> 4);
+    for (u32 k = threadIdx.x; k < nwin; k += 256u) {
+        const u64 a = a0 + 16ull * k;
+        const u64 s = src + (a - d.dst);
+        if (a >= d.dst && a + 16u <= end) {
+            const uint4 x = carried ? *reinterpret_cast<const uint4*>(s)
+                                    : __ldg(reinterpret_cast<const uint4*>(s));
+            *reinterpret_cast<uint4*>(a) = x;
+        } else {
+            for (u64 i = (a > d.dst ? a : d.dst); i < end && i < a + 16u; ++i) {
+                *reinterpret_cast<unsigned char*>(i) = *reinterpret_cast<const unsigned char*>(s + (i - a));
+            }
+        }
+    }
+}
+"""
+
+
+def _lean_source() -> str:
+    names = []
+    body = [_LEAN]
+    for cap, name in zip(pack.CARRY_CAPACITIES, pack.CARRY_ENTRY_POINTS):
+        body.append(
+            f'extern "C" __global__ void __launch_bounds__(256) '
+            f"{name}(const __grid_constant__ Carried<{cap}> p) {{ lean<{cap}>(p); }}"
+        )
+        names.append(name)
+    return "\n".join(body)
+
+
+def _step(n: int, arena_base: int, rng) -> tuple[np.ndarray, int, list, np.ndarray]:
+    """The segment of one step of the step_cost mix (cut), its blocks, and the bytes."""
+    mix = common.decode_mix(n, 0)
+    rows, data, cursor, off = [], [], 0, 0
+    for k, dt in mix:
+        nbytes = k * np.dtype(dt).itemsize
+        dst = arena_base + cursor
+        cursor = pack.align(cursor + nbytes, 512)  # as allocators place tensors
+        off = pack.align(off) + (dst & 15)
+        payload = rng.integers(0, 256, nbytes, dtype=np.uint8)
+        rows.append((dst, off, 0, nbytes, nbytes, nbytes, 1, pack.KIND_H2D, 0, 0))
+        data.append((dst - arena_base, off, payload))
+        off += nbytes
+    rows = pack.split(rows)
+    data0 = pack.align(pack.HEADER_BYTES + len(rows) * pack.DESC_BYTES)
+    seg = np.zeros(pack.align(data0 + off), np.uint8)
+    want = np.zeros(cursor, np.uint8)
+    for at, o, payload in data:
+        seg[data0 + o : data0 + o + payload.size] = payload
+        want[at : at + payload.size] = payload
+    nblocks = pack.encode(seg[:data0], rows, data0, seg.size, src_shift=data0)
+    return seg, nblocks, data0, want
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--reps", type=int, default=200)
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args(argv)
+
+    import cupy
+
+    be = cb.CudaBackend(0)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    h = stream.ptr
+    modules = {
+        name: cupy.RawModule(code=kernels.source(), options=("-std=c++17", *opts))
+        for name, opts in BUILDS.items()
+    }
+    modules["lean"] = cupy.RawModule(code=_lean_source(), options=("-std=c++17",))
+    arena = cupy.zeros(4 << 20, np.uint8)
+    pinned = be.alloc_pinned(4 << 20)
+    buf = (ctypes.c_ubyte * (pack.CARRY_PREFIX + pack.CARRY_CAPACITIES[-1]))()
+    size = ctypes.c_size_t(0)
+    extra = (ctypes.c_void_p * 5)(1, ctypes.addressof(buf), 2, ctypes.addressof(size), 0)
+    e0, e1 = cupy.cuda.Event(), cupy.cuda.Event()
+    rng = np.random.default_rng(0)
+    rows, failures = [], []
+
+    for n, how in ((8, "inline"), (32, "inline"), (128, "mapped"), (512, "mapped")):
+        seg, nblocks, data0, want = _step(n, int(arena.data.ptr), rng)
+        pinned.array[: seg.size] = seg
+        carry = seg.size if how == "inline" else data0
+        cap = pack.carry_capacity(carry)
+        fn_name = pack.CARRY_ENTRY_POINTS[pack.CARRY_CAPACITIES.index(cap)]
+        head = np.frombuffer(buf, np.uint8)
+        head[:] = 0
+        head[:8] = np.frombuffer(np.uint64(pinned.device_ptr).tobytes(), np.uint8)
+        head[8:12] = np.frombuffer(np.uint32(carry).tobytes(), np.uint8)
+        head[16 : 16 + carry] = seg[:carry]
+        size.value = pack.CARRY_PREFIX + cap
+        for build, mod in modules.items():
+            fn = mod.get_function(fn_name).kernel.ptr
+            arena.fill(0)
+            out = []
+            for i in range(args.reps + 10):
+                with be.hold(h):
+                    e0.record(stream)
+                    cb._launch(
+                        fn, nblocks, 1, 1, pack.THREADS, 1, 1, 0, h, 0, ctypes.addressof(extra)
+                    )
+                    e1.record(stream)
+                e1.synchronize()
+                if i >= 10:
+                    out.append(cupy.cuda.get_elapsed_time(e0, e1) * 1000.0)
+            ok = bool((arena[: want.size].get() == want).all())
+            if not ok:
+                failures.append(f"N={n} {build}: wrong bytes")
+            a = np.asarray(out)
+            rows.append(
+                {
+                    "n": n,
+                    "how": how,
+                    "build": build,
+                    "segment_bytes": int(seg.size),
+                    "carried_bytes": int(carry),
+                    "capacity": cap,
+                    "nblocks": nblocks,
+                    "verified": ok,
+                    "median_us": float(np.median(a)),
+                    "p10_us": float(np.percentile(a, 10)),
+                    "p90_us": float(np.percentile(a, 90)),
+                    "samples_us": [round(float(x), 3) for x in a],
+                }
+            )
+            print(
+                f"N={n:4d} {how:6s} {build:18s} {np.median(a):6.2f} us "
+                f"[{np.percentile(a, 10):.2f}-{np.percentile(a, 90):.2f}] "
+                f"({nblocks} blocks, {carry} B carried{'' if ok else ', WRONG'})",
+                flush=True,
+            )
+    result = {
+        "scenario": "kernel_variants",
+        "environment": {
+            "python": platform.python_version(),
+            "cupy": cupy.__version__,
+            "device": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(),
+            "driver": cupy.cuda.runtime.driverGetVersion(),
+            "runtime": cupy.cuda.runtime.runtimeGetVersion(),
+        },
+        "reps": args.reps,
+        "builds": {k: list(v) for k, v in BUILDS.items()},
+        "rows": rows,
+        "failures": failures,
+    }
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1))
+        print(f"wrote {args.json}")
+    print("\n".join(failures) if failures else "all launches verified")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
