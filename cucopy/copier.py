@@ -1099,7 +1099,11 @@ class DeviceCopier:
                 f"{_label(entries[0].site)}: flushing {len(entries)} staged copies "
                 f"failed: {exc!r}; their on_drop callbacks ran"
             ) from exc
-        slot.dirty = True
+        if how != "inline":
+            # the launch reads the slot when it runs: the slot's event must follow it.
+            # An inline launch took its bytes at enqueue, so it needs no event (one
+            # fewer stream operation a step), and the slot may be rewritten at once.
+            slot.dirty = True
         slot.bottom = end
         self._cursor = end
         st = self.stats

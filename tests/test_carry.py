@@ -237,3 +237,33 @@ def test_a_cut_that_does_not_fit_below_the_snapshots_is_left_whole(env):
     assert seen and all(launched == nblocks for launched, _, nblocks in seen)
     assert any(ndesc < nblocks for _, ndesc, nblocks in seen)
     c.close()
+
+
+def test_inline_steps_leave_the_slot_free_at_once(env):
+    # An inline launch took its bytes at enqueue: the step records no slot event,
+    # and the next step may rewrite the slot while the launch still waits (here,
+    # behind a held stream, one slot). A mapped step records one.
+    c = env.copier(PLAN, slots=1, flush_mode="inline")
+    records = []
+    rec = c._backend.event_record
+    c._backend.event_record = lambda ev, st: (records.append(ev), rec(ev, st))[1]
+    a, b = env.empty((64,)), env.empty((64,))
+    with env.hold(c_stream(env, c)):
+        with c.step():
+            c.copy(Site.POS, a, np.arange(64, dtype=np.int32))
+        with c.step():  # the only slot, reused before the first launch ran
+            c.copy(Site.POS, b, np.arange(64, dtype=np.int32) * 2)
+    assert env.to_host(a).tolist() == list(range(64))
+    assert env.to_host(b).tolist() == [2 * i for i in range(64)]
+    assert records == [] and c.stats.host_waits == 0
+    assert c.stats.modes["inline"] == 2
+    c.close()
+    m = env.copier(PLAN, slots=1, flush_mode="mapped")
+    records.clear()
+    rec = m._backend.event_record
+    m._backend.event_record = lambda ev, st: (records.append(ev), rec(ev, st))[1]
+    with m.step():
+        m.copy(Site.POS, a, np.arange(64, dtype=np.int32) + 1)
+    assert env.to_host(a).tolist() == list(range(1, 65))
+    assert len(records) == 1
+    m.close()

@@ -340,8 +340,11 @@ def test_failed_begin_leaves_no_step_open(policy, method):
 
 @pytest.mark.parametrize("method", ["event_query", "event_synchronize"])
 def test_ring_wait_fails(method):
-    """The ring polls and then waits for a reused slot (lazy: the slot is still in flight)."""
-    r = Rig("lazy", slots=1)
+    """The ring polls and then waits for a reused slot (lazy: the slot is still in flight).
+
+    Mapped: the launch reads the slot when it runs (an inline one would not need the wait).
+    """
+    r = Rig("lazy", slots=1, flush_mode="mapped")
     dev, c = r.dev, r.copier
     a = dev.empty((8,), np.int32)
     with c.step():
@@ -358,8 +361,9 @@ def test_ring_wait_fails(method):
 @pytest.mark.parametrize("policy", POLICIES)
 def test_event_record_fails_at_flush(policy):
     """The segment was issued, so its copies land and nothing drops; the slot must still be
-    waited for before it is reused (its record is retried at the next begin)."""
-    r = Rig(policy, slots=1)
+    waited for before it is reused (its record is retried at the next begin). Mapped: an
+    inline launch reads nothing at run time and records no event."""
+    r = Rig(policy, slots=1, flush_mode="mapped")
     dev, c = r.dev, r.copier
     a = dev.empty((8,), np.int32)
     src = dev.pinned_empty((8,), np.int32)
