@@ -2,9 +2,9 @@
 
 ``bench/kernel_floor.py`` put a carried one-copy scatter ~1 us above what its
 parameter reads and data reads cost in microkernels. This probe times the real
-``cucopy_scatter_c*`` built several ways (the library's build, one window a
-thread per round instead of four, row-end code called instead of inlined, both)
-and a lean kernel that handles only what these steps hold (one-row H2D copies
+``cucopy_scatter_c*`` built several ways (the library's build, and 2 or 4 windows
+a thread per round: ``-DCUCOPY_UNROLL``), the library's build followed by a
+slot event (what a mapped step records), and a lean kernel that handles only what these steps hold (one-row H2D copies
 whose data sits at the destination's offset modulo 16), on the segments of the
 step_cost mix: N = 8 and 32 carried whole ("inline"), N = 128 and 512 with the
 header and table carried and the data read from mapped memory ("mapped"). Each
@@ -33,9 +33,8 @@ from cucopy.backends import cuda as cb  # noqa: E402
 
 BUILDS = {
     "library": (),
-    "unroll1": ("-DCUCOPY_UNROLL=1",),
-    "edge_call": ("-DCUCOPY_EDGE_NOINLINE",),
-    "unroll1_edge_call": ("-DCUCOPY_UNROLL=1", "-DCUCOPY_EDGE_NOINLINE"),
+    "unroll2": ("-DCUCOPY_UNROLL=2",),
+    "unroll4": ("-DCUCOPY_UNROLL=4",),
 }
 
 # Only what the bench steps hold: descriptor b is block b's (pack.split), one-row
@@ -132,6 +131,7 @@ def main(argv=None) -> int:
     size = ctypes.c_size_t(0)
     extra = (ctypes.c_void_p * 5)(1, ctypes.addressof(buf), 2, ctypes.addressof(size), 0)
     e0, e1 = cupy.cuda.Event(), cupy.cuda.Event()
+    slot_event = be.event_create()  # as the ring's: timing disabled
     rng = np.random.default_rng(0)
     rows, failures = [], []
 
@@ -147,8 +147,9 @@ def main(argv=None) -> int:
         head[8:12] = np.frombuffer(np.uint32(carry).tobytes(), np.uint8)
         head[16 : 16 + carry] = seg[:carry]
         size.value = pack.CARRY_PREFIX + cap
-        for build, mod in modules.items():
+        for build, mod in [*modules.items(), ("library+event", modules["library"])]:
             fn = mod.get_function(fn_name).kernel.ptr
+            event = slot_event if build.endswith("+event") else None
             arena.fill(0)
             out = []
             for i in range(args.reps + 10):
@@ -157,6 +158,8 @@ def main(argv=None) -> int:
                     cb._launch(
                         fn, nblocks, 1, 1, pack.THREADS, 1, 1, 0, h, 0, ctypes.addressof(extra)
                     )
+                    if event is not None:
+                        be.event_record(event, h)
                     e1.record(stream)
                 e1.synchronize()
                 if i >= 10:

@@ -47,21 +47,15 @@ struct CucopyDesc {
 #define CUCOPY_KIND_FILL 4u
 // pack.THREADS: the host sizes a descriptor's block run for this many threads.
 #define CUCOPY_THREADS 256
-// Windows per thread kept in flight: the host gives a block pack.BLOCK_BYTES
-// (4 KiB, 256 windows of 16 bytes: one a thread), but a block whose windows are
-// more (a narrow 2-D row's ends, a descriptor whose blocks the host did not
-// count) still issues 4 loads a thread before the first store (one memory
-// round trip, not four).
-// (-DCUCOPY_UNROLL=n and -DCUCOPY_EDGE_NOINLINE are tuning knobs for
-// bench/kernel_variants.py; the library builds with neither.)
+// Windows a thread loads before its first store. The host gives a block
+// pack.BLOCK_BYTES (4 KiB, 256 windows of 16 bytes: one a thread) and cuts
+// wider descriptors (pack.split), so a round of one window is the whole job for
+// nearly every thread; unrolling further made each kernel three times larger and
+// measured no faster (bench/kernel_variants.py: 4 windows a round cost 0.1 to
+// 0.25 us more on the bench steps, bench/results/2026-11-30-h200-variants).
+// -DCUCOPY_UNROLL=n is a tuning knob for that probe.
 #ifndef CUCOPY_UNROLL
-#define CUCOPY_UNROLL 4
-#endif
-// Partial-window reads and writes (row ends only) inlined, or called.
-#ifdef CUCOPY_EDGE_NOINLINE
-#define CUCOPY_EDGE __noinline__
-#else
-#define CUCOPY_EDGE __forceinline__
+#define CUCOPY_UNROLL 1
 #endif
 // Up to this many descriptors the whole table (48 B each, 12 KiB) is read into
 // shared memory in one coalesced pass: a block then finds and reads its
@@ -165,7 +159,7 @@ static __device__ __forceinline__ unsigned cucopy_lowbit(unsigned x)
 // arrays belong to the caller, and compute-sanitizer memcheck counts even a
 // discarded over-read.
 template <typename T>
-static __device__ CUCOPY_EDGE void cucopy_gather(unsigned (&w)[4], const cucopy_u8* sb,
+static __device__ __forceinline__ void cucopy_gather(unsigned (&w)[4], const cucopy_u8* sb,
                                                      unsigned lo, unsigned hi)
 {
     constexpr unsigned n = sizeof(T);
@@ -189,7 +183,7 @@ static __device__ CUCOPY_EDGE void cucopy_gather(unsigned (&w)[4], const cucopy_
 // integers: a plain dereference compiles to a generic ST that must first
 // check which address space it hits.
 template <typename T>
-static __device__ CUCOPY_EDGE void cucopy_put(cucopy_u8* a, const unsigned (&w)[4],
+static __device__ __forceinline__ void cucopy_put(cucopy_u8* a, const unsigned (&w)[4],
                                                   unsigned lo, unsigned hi)
 {
     constexpr unsigned n = sizeof(T);
