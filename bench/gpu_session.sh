@@ -139,6 +139,9 @@ fi
 if [[ -f bench/kernel_floor.py ]]; then
     step kernel_floor 60 "$PY" bench/kernel_floor.py --json "$work/bench/kernel_floor.json"
 fi
+if [[ -f bench/kernel_variants.py ]]; then
+    step kernel_variants 120 "$PY" bench/kernel_variants.py --json "$work/bench/kernel_variants.json"
+fi
 for ex in examples/*.py; do
     [[ -f "$ex" ]] || continue
     step "example_$(basename "$ex" .py)" 60 env PYTHONPATH=. "$PY" "$ex"
