@@ -85,28 +85,31 @@ def _lean_source() -> str:
     return "\n".join(body)
 
 
-def _step(n: int, arena_base: int, rng) -> tuple[np.ndarray, int, list, np.ndarray]:
-    """The segment of one step of the step_cost mix (cut), its blocks, and the bytes."""
+def _step(n: int, addrs: list, rng) -> tuple[np.ndarray, int, int, list]:
+    """The cut segment of one step of the step_cost mix into ``addrs``, its blocks,
+    where its data starts, and each input's bytes."""
     mix = common.decode_mix(n, 0)
-    rows, data, cursor, off = [], [], 0, 0
-    for k, dt in mix:
+    rows, payloads, off = [], [], 0
+    for (k, dt), dst in zip(mix, addrs):
         nbytes = k * np.dtype(dt).itemsize
-        dst = arena_base + cursor
-        cursor = pack.align(cursor + nbytes, 512)  # as allocators place tensors
         off = pack.align(off) + (dst & 15)
-        payload = rng.integers(0, 256, nbytes, dtype=np.uint8)
+        payloads.append(rng.integers(0, 256, nbytes, dtype=np.uint8))
         rows.append((dst, off, 0, nbytes, nbytes, nbytes, 1, pack.KIND_H2D, 0, 0))
-        data.append((dst - arena_base, off, payload))
         off += nbytes
     rows = pack.split(rows)
     data0 = pack.align(pack.HEADER_BYTES + len(rows) * pack.DESC_BYTES)
     seg = np.zeros(pack.align(data0 + off), np.uint8)
-    want = np.zeros(cursor, np.uint8)
-    for at, o, payload in data:
+    o = 0
+    for dst, payload in zip(addrs, payloads):
+        o = pack.align(o) + (dst & 15)
         seg[data0 + o : data0 + o + payload.size] = payload
-        want[at : at + payload.size] = payload
+        o += payload.size
     nblocks = pack.encode(seg[:data0], rows, data0, seg.size, src_shift=data0)
-    return seg, nblocks, data0, want
+    return seg, nblocks, data0, payloads
+
+
+def _sizes(n: int) -> list:
+    return [k * np.dtype(dt).itemsize for k, dt in common.decode_mix(n, 0)]
 
 
 def main(argv=None) -> int:
@@ -126,70 +129,96 @@ def main(argv=None) -> int:
     }
     modules["lean"] = cupy.RawModule(code=_lean_source(), options=("-std=c++17",))
     arena = cupy.zeros(4 << 20, np.uint8)
-    pinned = be.alloc_pinned(4 << 20)
+    # four pinned buffers of 1 MiB, as the bench's ring slots
+    slots = [be.alloc_pinned(1 << 20) for _ in range(4)]
     buf = (ctypes.c_ubyte * (pack.CARRY_PREFIX + pack.CARRY_CAPACITIES[-1]))()
     size = ctypes.c_size_t(0)
     extra = (ctypes.c_void_p * 5)(1, ctypes.addressof(buf), 2, ctypes.addressof(size), 0)
+    head = np.frombuffer(buf, np.uint8)
     e0, e1 = cupy.cuda.Event(), cupy.cuda.Event()
     slot_event = be.event_create()  # as the ring's: timing disabled
     rng = np.random.default_rng(0)
     rows, failures = [], []
 
+    def run(
+        n, how, build, fn, nblocks, carry, cap, dsts, payloads, nslots, event, placement, seg=None
+    ):
+        for d in dsts:
+            d.fill(0)
+        out = []
+        for i in range(args.reps + 10):
+            head[:8] = np.frombuffer(np.uint64(slots[i % nslots].device_ptr).tobytes(), np.uint8)
+            with be.hold(h):
+                if seg is not None:  # the host writes the step into the slot, as the copier does
+                    slots[i % nslots].array[: seg.size] = seg
+                e0.record(stream)
+                cb._launch(fn, nblocks, 1, 1, pack.THREADS, 1, 1, 0, h, 0, ctypes.addressof(extra))
+                if event is not None:
+                    be.event_record(event, h)
+                e1.record(stream)
+            e1.synchronize()
+            if i >= 10:
+                out.append(cupy.cuda.get_elapsed_time(e0, e1) * 1000.0)
+        ok = all(bool((d.get() == v).all()) for d, v in zip(dsts, payloads))
+        if not ok:
+            failures.append(f"N={n} {build} {placement} {nslots} slot(s): wrong bytes")
+        a = np.asarray(out)
+        rows.append(
+            {
+                "n": n,
+                "how": how,
+                "build": build,
+                "placement": placement,
+                "host_writes_slot": seg is not None,
+                "slots": nslots,
+                "carried_bytes": int(carry),
+                "capacity": cap,
+                "nblocks": nblocks,
+                "verified": ok,
+                "median_us": float(np.median(a)),
+                "p10_us": float(np.percentile(a, 10)),
+                "p90_us": float(np.percentile(a, 90)),
+                "samples_us": [round(float(x), 3) for x in a],
+            }
+        )
+        print(
+            f"N={n:4d} {how:6s} {build:14s} {placement:8s} {nslots} slot(s)"
+            f"{' rewritten' if seg is not None else ''} "
+            f"{np.median(a):6.2f} us [{np.percentile(a, 10):.2f}-{np.percentile(a, 90):.2f}] "
+            f"({nblocks} blocks, {carry} B carried{'' if ok else ', WRONG'})",
+            flush=True,
+        )
+
     for n, how in ((8, "inline"), (32, "inline"), (128, "mapped"), (512, "mapped")):
-        seg, nblocks, data0, want = _step(n, int(arena.data.ptr), rng)
-        pinned.array[: seg.size] = seg
-        carry = seg.size if how == "inline" else data0
-        cap = pack.carry_capacity(carry)
-        fn_name = pack.CARRY_ENTRY_POINTS[pack.CARRY_CAPACITIES.index(cap)]
-        head = np.frombuffer(buf, np.uint8)
-        head[:] = 0
-        head[:8] = np.frombuffer(np.uint64(pinned.device_ptr).tobytes(), np.uint8)
-        head[8:12] = np.frombuffer(np.uint32(carry).tobytes(), np.uint8)
-        head[16 : 16 + carry] = seg[:carry]
-        size.value = pack.CARRY_PREFIX + cap
-        for build, mod in [*modules.items(), ("library+event", modules["library"])]:
-            fn = mod.get_function(fn_name).kernel.ptr
-            event = slot_event if build.endswith("+event") else None
-            arena.fill(0)
-            out = []
-            for i in range(args.reps + 10):
-                with be.hold(h):
-                    e0.record(stream)
-                    cb._launch(
-                        fn, nblocks, 1, 1, pack.THREADS, 1, 1, 0, h, 0, ctypes.addressof(extra)
-                    )
-                    if event is not None:
-                        be.event_record(event, h)
-                    e1.record(stream)
-                e1.synchronize()
-                if i >= 10:
-                    out.append(cupy.cuda.get_elapsed_time(e0, e1) * 1000.0)
-            ok = bool((arena[: want.size].get() == want).all())
-            if not ok:
-                failures.append(f"N={n} {build}: wrong bytes")
-            a = np.asarray(out)
-            rows.append(
-                {
-                    "n": n,
-                    "how": how,
-                    "build": build,
-                    "segment_bytes": int(seg.size),
-                    "carried_bytes": int(carry),
-                    "capacity": cap,
-                    "nblocks": nblocks,
-                    "verified": ok,
-                    "median_us": float(np.median(a)),
-                    "p10_us": float(np.percentile(a, 10)),
-                    "p90_us": float(np.percentile(a, 90)),
-                    "samples_us": [round(float(x), 3) for x in a],
-                }
-            )
-            print(
-                f"N={n:4d} {how:6s} {build:18s} {np.median(a):6.2f} us "
-                f"[{np.percentile(a, 10):.2f}-{np.percentile(a, 90):.2f}] "
-                f"({nblocks} blocks, {carry} B carried{'' if ok else ', WRONG'})",
-                flush=True,
-            )
+        sizes = _sizes(n)
+        cursor, views = 0, []
+        for nbytes in sizes:  # one arena, inputs 512 B apart as allocators place them
+            views.append(arena[cursor : cursor + nbytes])
+            cursor = pack.align(cursor + nbytes, 512)
+        separate = [cupy.empty(nbytes, np.uint8) for nbytes in sizes]
+        for placement, dsts in (("arena", views), ("separate", separate)):
+            seg, nblocks, data0, payloads = _step(n, [int(d.data.ptr) for d in dsts], rng)
+            for sl in slots:
+                sl.array[: seg.size] = seg
+            carry = seg.size if how == "inline" else data0
+            cap = pack.carry_capacity(carry)
+            fn_name = pack.CARRY_ENTRY_POINTS[pack.CARRY_CAPACITIES.index(cap)]
+            head[:] = 0
+            head[8:12] = np.frombuffer(np.uint32(carry).tobytes(), np.uint8)
+            head[16 : 16 + carry] = seg[:carry]
+            size.value = pack.CARRY_PREFIX + cap
+            if placement == "arena":
+                runs = [(b, m, 1, None) for b, m in modules.items()]
+                runs.append(("library+event", modules["library"], 1, slot_event))
+                runs.append(("library", modules["library"], 4, slot_event))
+            else:
+                runs = [("library", modules["library"], 1, None)]
+                runs.append(("library", modules["library"], 4, slot_event))
+            for build, mod, nslots, event in runs:
+                fn = mod.get_function(fn_name).kernel.ptr
+                run(
+                    n, how, build, fn, nblocks, carry, cap, dsts, payloads, nslots, event, placement
+                )
     result = {
         "scenario": "kernel_variants",
         "environment": {
