@@ -219,6 +219,10 @@ def main(argv=None) -> int:
                 run(
                     n, how, build, fn, nblocks, carry, cap, dsts, payloads, nslots, event, placement
                 )
+            if placement == "separate":  # the host writes the slot before each launch
+                fn = modules["library"].get_function(fn_name).kernel.ptr
+                args_ = (n, how, "library", fn, nblocks, carry, cap, dsts, payloads)
+                run(*args_, 4, slot_event, placement, seg)
     result = {
         "scenario": "kernel_variants",
         "environment": {
