@@ -13,10 +13,7 @@ Usage: python bench/kernel_floor.py [--reps 200] [--json PATH]. Needs CuPy and a
 
 from __future__ import annotations
 
-import argparse
 import ctypes
-import json
-import platform
 import sys
 from pathlib import Path
 
@@ -25,6 +22,7 @@ import numpy as np
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench._probe import HeldTimer, environment, span, start, summary, write  # noqa: E402
 from cucopy.backends import cuda as cb  # noqa: E402
 
 CAP = 1008  # parameter bytes after the 16-byte prefix, as cucopy_scatter_c1k
@@ -206,15 +204,7 @@ _BIG_KERNELS = (
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--reps", type=int, default=200)
-    p.add_argument("--json", type=Path, default=None)
-    args = p.parse_args(argv)
-
-    import cupy
-
-    be = cb.CudaBackend(0)
-    stream = cupy.cuda.Stream(non_blocking=True)
+    args, cupy, be, stream = start(__doc__, argv)
     h = stream.ptr
     mod = cupy.RawModule(code=_SRC, options=("-std=c++17",))
     fns = {
@@ -242,19 +232,10 @@ def main(argv=None) -> int:
     table[starts] = np.arange(NDESC, dtype=np.uint32)
     big_size = ctypes.c_size_t(ctypes.sizeof(big))
     big_extra = (ctypes.c_void_p * 5)(1, ctypes.addressof(big), 2, ctypes.addressof(big_size), 0)
-    e0, e1 = cupy.cuda.Event(), cupy.cuda.Event()
+    timer = HeldTimer(be, stream, args.reps)
 
     def timed(launch):
-        out = []
-        for i in range(args.reps + 10):
-            with be.hold(h):
-                e0.record(stream)
-                launch()
-                e1.record(stream)
-            e1.synchronize()
-            if i >= 10:
-                out.append(cupy.cuda.get_elapsed_time(e0, e1) * 1000.0)
-        return out
+        return timer.time(lambda i: launch())
 
     def launch(name, grid, block, n=0):
         def go():
@@ -273,17 +254,9 @@ def main(argv=None) -> int:
     rows = []
 
     def record(name, samples, **extra_fields):
-        a = np.asarray(samples)
-        row = {
-            "name": name,
-            **extra_fields,
-            "median_us": float(np.median(a)),
-            "p10_us": float(np.percentile(a, 10)),
-            "p90_us": float(np.percentile(a, 90)),
-            "samples_us": [round(float(x), 3) for x in a],
-        }
+        row = {"name": name, **extra_fields, **summary(samples)}
         rows.append(row)
-        print(f"{name:44s} {row['median_us']:6.2f} [{row['p10_us']:.2f}-{row['p90_us']:.2f}]")
+        print(f"{name:44s} {span(row)}")
 
     record("event pair alone", timed(lambda: None))
     record("empty, 1 x 32 threads", timed(launch("empty", 1, 32)))
@@ -328,22 +301,8 @@ def main(argv=None) -> int:
     ok = bool((dst[:90112].get() == pinned.array[:90112]).all())
     print("mapped_read copied the bytes:", ok)
     ok = ok and ok_data
-    result = {
-        "scenario": "kernel_floor",
-        "environment": {
-            "python": platform.python_version(),
-            "cupy": cupy.__version__,
-            "device": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(),
-            "driver": cupy.cuda.runtime.driverGetVersion(),
-            "runtime": cupy.cuda.runtime.runtimeGetVersion(),
-        },
-        "reps": args.reps,
-        "mapped_read_verified": ok,
-        "rows": rows,
-    }
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=1))
-        print(f"wrote {args.json}")
+    result = {"scenario": "kernel_floor", "environment": environment(), "reps": args.reps}
+    write(args.json, {**result, "mapped_read_verified": ok, "rows": rows})
     return 0 if ok else 1
 
 

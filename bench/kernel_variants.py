@@ -15,10 +15,7 @@ Usage: python bench/kernel_variants.py [--reps 200] [--json PATH]. Needs CuPy an
 
 from __future__ import annotations
 
-import argparse
 import ctypes
-import json
-import platform
 import sys
 from pathlib import Path
 
@@ -28,6 +25,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import _common as common  # noqa: E402
+from bench._probe import HeldTimer, environment, span, start, summary, write  # noqa: E402
 from cucopy import kernels, pack  # noqa: E402
 from cucopy.backends import cuda as cb  # noqa: E402
 
@@ -113,15 +111,7 @@ def _sizes(n: int) -> list:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--reps", type=int, default=200)
-    p.add_argument("--json", type=Path, default=None)
-    args = p.parse_args(argv)
-
-    import cupy
-
-    be = cb.CudaBackend(0)
-    stream = cupy.cuda.Stream(non_blocking=True)
+    args, cupy, be, stream = start(__doc__, argv)
     h = stream.ptr
     modules = {
         name: cupy.RawModule(code=kernels.source(), options=("-std=c++17", *opts))
@@ -135,7 +125,7 @@ def main(argv=None) -> int:
     size = ctypes.c_size_t(0)
     extra = (ctypes.c_void_p * 5)(1, ctypes.addressof(buf), 2, ctypes.addressof(size), 0)
     head = np.frombuffer(buf, np.uint8)
-    e0, e1 = cupy.cuda.Event(), cupy.cuda.Event()
+    timer = HeldTimer(be, stream, args.reps)
     slot_event = be.event_create()  # as the ring's: timing disabled
     rng = np.random.default_rng(0)
     rows, failures = [], []
@@ -145,46 +135,37 @@ def main(argv=None) -> int:
     ):
         for d in dsts:
             d.fill(0)
-        out = []
-        for i in range(args.reps + 10):
-            head[:8] = np.frombuffer(np.uint64(slots[i % nslots].device_ptr).tobytes(), np.uint8)
-            with be.hold(h):
-                if seg is not None:  # the host writes the step into the slot, as the copier does
-                    slots[i % nslots].array[: seg.size] = seg
-                e0.record(stream)
-                cb._launch(fn, nblocks, 1, 1, pack.THREADS, 1, 1, 0, h, 0, ctypes.addressof(extra))
-                if event is not None:
-                    be.event_record(event, h)
-                e1.record(stream)
-            e1.synchronize()
-            if i >= 10:
-                out.append(cupy.cuda.get_elapsed_time(e0, e1) * 1000.0)
+
+        def launch(i):
+            slot = slots[i % nslots]
+            head[:8] = np.frombuffer(np.uint64(slot.device_ptr).tobytes(), np.uint8)
+            if seg is not None:  # the host writes the step into the slot, as the copier does
+                slot.array[: seg.size] = seg
+            cb._launch(fn, nblocks, 1, 1, pack.THREADS, 1, 1, 0, h, 0, ctypes.addressof(extra))
+            if event is not None:
+                be.event_record(event, h)
+
+        times = summary(timer.time(launch))
         ok = all(bool((d.get() == v).all()) for d, v in zip(dsts, payloads))
         if not ok:
             failures.append(f"N={n} {build} {placement} {nslots} slot(s): wrong bytes")
-        a = np.asarray(out)
-        rows.append(
-            {
-                "n": n,
-                "how": how,
-                "build": build,
-                "placement": placement,
-                "host_writes_slot": seg is not None,
-                "slots": nslots,
-                "carried_bytes": int(carry),
-                "capacity": cap,
-                "nblocks": nblocks,
-                "verified": ok,
-                "median_us": float(np.median(a)),
-                "p10_us": float(np.percentile(a, 10)),
-                "p90_us": float(np.percentile(a, 90)),
-                "samples_us": [round(float(x), 3) for x in a],
-            }
-        )
+        row = {
+            "n": n,
+            "how": how,
+            "build": build,
+            "placement": placement,
+            "host_writes_slot": seg is not None,
+            "slots": nslots,
+            "carried_bytes": int(carry),
+            "capacity": cap,
+            "nblocks": nblocks,
+            "verified": ok,
+            **times,
+        }
+        rows.append(row)
         print(
             f"N={n:4d} {how:6s} {build:14s} {placement:8s} {nslots} slot(s)"
-            f"{' rewritten' if seg is not None else ''} "
-            f"{np.median(a):6.2f} us [{np.percentile(a, 10):.2f}-{np.percentile(a, 90):.2f}] "
+            f"{' rewritten' if seg is not None else ''} {span(row)} us "
             f"({nblocks} blocks, {carry} B carried{'' if ok else ', WRONG'})",
             flush=True,
         )
@@ -223,23 +204,9 @@ def main(argv=None) -> int:
                 fn = modules["library"].get_function(fn_name).kernel.ptr
                 args_ = (n, how, "library", fn, nblocks, carry, cap, dsts, payloads)
                 run(*args_, 4, slot_event, placement, seg)
-    result = {
-        "scenario": "kernel_variants",
-        "environment": {
-            "python": platform.python_version(),
-            "cupy": cupy.__version__,
-            "device": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(),
-            "driver": cupy.cuda.runtime.driverGetVersion(),
-            "runtime": cupy.cuda.runtime.runtimeGetVersion(),
-        },
-        "reps": args.reps,
-        "builds": {k: list(v) for k, v in BUILDS.items()},
-        "rows": rows,
-        "failures": failures,
-    }
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=1))
-        print(f"wrote {args.json}")
+    result = {"scenario": "kernel_variants", "environment": environment(), "reps": args.reps}
+    builds = {k: list(v) for k, v in BUILDS.items()}
+    write(args.json, {**result, "builds": builds, "rows": rows, "failures": failures})
     print("\n".join(failures) if failures else "all launches verified")
     return 1 if failures else 0
 

@@ -13,10 +13,7 @@ Usage: python bench/param_probe.py [--reps 200] [--json PATH]. Needs CuPy and a 
 
 from __future__ import annotations
 
-import argparse
 import ctypes
-import json
-import platform
 import sys
 from pathlib import Path
 
@@ -25,6 +22,7 @@ import numpy as np
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench._probe import HeldTimer, environment, span, start, summary, write  # noqa: E402
 from cucopy import pack  # noqa: E402
 from cucopy.backends import cuda as cb  # noqa: E402
 
@@ -48,16 +46,8 @@ def _segment(nbytes: int, dst: int) -> np.ndarray:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--reps", type=int, default=200)
-    p.add_argument("--json", type=Path, default=None)
-    args = p.parse_args(argv)
-
-    import cupy
-
-    be = cb.CudaBackend(0)
+    args, cupy, be, stream = start(__doc__, argv)
     k = be._get_kernels()
-    stream = cupy.cuda.Stream(non_blocking=True)
     h = stream.ptr
     mod = cupy.RawModule(code=_EMPTY, options=("-std=c++17",))
     empties = {n: mod.get_function(f"empty{n}").kernel.ptr for n in SIZES}
@@ -66,19 +56,10 @@ def main(argv=None) -> int:
     extra = (ctypes.c_void_p * 5)(1, ctypes.addressof(buf), 2, ctypes.addressof(size), 0)
     dst = cupy.zeros(1 << 16, np.uint8)
     pinned = be.alloc_pinned(1 << 16)
-    e0, e1 = cupy.cuda.Event(), cupy.cuda.Event()
+    timer = HeldTimer(be, stream, args.reps)
 
     def timed(launch):
-        out = []
-        for i in range(args.reps + 10):
-            with be.hold(h):
-                e0.record(stream)
-                launch()
-                e1.record(stream)
-            e1.synchronize()
-            if i >= 10:
-                out.append(cupy.cuda.get_elapsed_time(e0, e1) * 1000.0)
-        return out
+        return timer.time(lambda i: launch())
 
     def empty(n):
         size.value = n
@@ -103,16 +84,9 @@ def main(argv=None) -> int:
     rows = []
 
     def record(name, samples):
-        a = np.asarray(samples)
-        row = {
-            "name": name,
-            "median_us": float(np.median(a)),
-            "p10_us": float(np.percentile(a, 10)),
-            "p90_us": float(np.percentile(a, 90)),
-            "samples_us": [round(float(x), 3) for x in a],
-        }
+        row = {"name": name, **summary(samples)}
         rows.append(row)
-        print(f"{name:44s} {row['median_us']:6.2f} [{row['p10_us']:.2f}-{row['p90_us']:.2f}]")
+        print(f"{name:44s} {span(row)}")
 
     record("event pair alone", timed(lambda: None))
     for n in SIZES:
@@ -127,21 +101,8 @@ def main(argv=None) -> int:
             timed(carried(k.caps[0], nbytes, whole=False)),
         )
     stream.synchronize()
-    result = {
-        "scenario": "param_probe",
-        "environment": {
-            "python": platform.python_version(),
-            "cupy": cupy.__version__,
-            "device": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(),
-            "driver": cupy.cuda.runtime.driverGetVersion(),
-            "runtime": cupy.cuda.runtime.runtimeGetVersion(),
-        },
-        "reps": args.reps,
-        "rows": rows,
-    }
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=1))
-        print(f"wrote {args.json}")
+    result = {"scenario": "param_probe", "environment": environment(), "reps": args.reps}
+    write(args.json, {**result, "rows": rows})
     return 0
 
 

@@ -10,9 +10,12 @@ segment is read from (device staging memory in ``dma`` mode, mapped pinned
 memory in ``mapped`` mode).
 
 Each descriptor owns a run of thread blocks ``[block_start, next.block_start)``
-(the last one up to ``header.nblocks``); the host sizes the runs with
-:func:`blocks_for` so a 64 KiB table is spread over several blocks while a
-4-byte vector takes one.
+(the last one up to ``header.nblocks``); :func:`encode` sizes the runs like
+:func:`blocks_for`, so a 64 KiB table is spread over several blocks while a
+4-byte vector takes one. The copier cuts wider descriptors with :func:`split`
+before it flushes, so that nearly every segment gives each descriptor exactly
+one block (``ndesc == nblocks``) and the kernel reads block ``b``'s descriptor
+directly; any other block layout stays valid.
 """
 
 from __future__ import annotations
