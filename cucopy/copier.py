@@ -1051,14 +1051,27 @@ class DeviceCopier:
                     break
                 descs = pieces
             self._reserve = max(self._reserve, n)
-            total = end - seg
-            head = data0 - seg  # header and descriptor table
             be = self._backend
             mode = self.flush_mode
             cmax = self._carry_max
             if cmax is None:
                 caps = be.carry_capacities()
                 cmax = self._carry_max = caps[-1] if caps else 0
+            # the table's end: past it, up to data0, lies table space reserved for a
+            # larger step (the reservation keeps the largest count seen)
+            head = pack.HEADER_BYTES + n * pack.DESC_BYTES
+            gap = data0 - pack.align(seg + head)
+            if gap and mode in ("inline", "auto") and end - seg - gap <= cmax:
+                # an inline launch carries every byte up to the end: close the gap
+                # (a move of at most the carry limit) rather than carry it
+                slot.array[data0 - gap : end - gap] = slot.array[data0:end].copy()
+                data0 -= gap
+                end -= gap
+                shift -= gap
+                nblocks = pack.encode(
+                    slot.mv[seg:data0], descs, data0 - seg, end - seg, shift - seg
+                )
+            total = end - seg
             pin = slot.pinned
             if mode in ("inline", "auto") and total <= cmax:
                 # the whole segment travels in the launch: nothing read at run time
@@ -1069,7 +1082,8 @@ class DeviceCopier:
                 and total <= self._mapped_max
                 and (head <= cmax or (n <= _MAPPED_MAX_DESCS and total <= _UNCARRIED_MAPPED_MAX))
             ):
-                carry = head if head <= cmax else 0
+                # the header and the table travel (not the reserved space after it)
+                carry = pack.align(head) if head <= cmax else 0
                 be.scatter(pin.device_ptr + seg, nblocks, self._stream, True, carry, pin.ptr + seg)
                 how = "mapped"
             else:

@@ -267,3 +267,36 @@ def test_inline_steps_leave_the_slot_free_at_once(env):
     assert env.to_host(a).tolist() == list(range(1, 65))
     assert len(records) == 1
     m.close()
+
+
+@pytest.mark.parametrize("mode", ["auto", "inline", "mapped"])
+def test_a_smaller_step_carries_no_table_space_reserved_for_a_larger_one(env, mode):
+    # The copier reserves table space for the largest step it has seen; a later,
+    # smaller step must not carry that empty space in its launch (inline closes
+    # the gap, mapped carries the table only).
+    c = env.copier(PLAN, flush_mode=mode)
+    carries = []
+    scatter = c._backend.scatter
+
+    def spy(segment_ptr, nblocks, stream, mapped, carry=0, host_ptr=0):
+        carries.append(carry)
+        return scatter(segment_ptr, nblocks, stream, mapped, carry, host_ptr)
+
+    c._backend.scatter = spy
+    a = env.empty((300 * 4,))
+    with c.step():  # 300 descriptors: 14 KB of table
+        for i in range(300):
+            c.copy(Site.POS, a[4 * i : 4 * i + 3], np.full(3, i, np.int32))
+    for step in range(2):
+        with c.step():
+            for i in range(10):
+                c.copy(Site.LENS, a[4 * i : 4 * i + 3], np.full(3, -i - step, np.int32))
+        got = env.to_host(a).reshape(300, 4)[:, :3]
+        assert got[:10].tolist() == [[-i - step] * 3 for i in range(10)]
+        assert got[10:].tolist() == [[i] * 3 for i in range(10, 300)]
+    table = pack.align(pack.HEADER_BYTES + 10 * pack.DESC_BYTES)
+    if mode == "mapped":
+        assert carries[1:] == [table, table]
+    else:  # the table, then the data: ten 12-byte rows, 16 bytes apart
+        assert carries[1:] == [table + 10 * 16] * 2
+    c.close()
