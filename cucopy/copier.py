@@ -194,9 +194,13 @@ class DeviceCopier:
         self._handle = self._stream if isinstance(self._stream, int) else None
         self.flush_mode = flush_mode
         self._mapped_max = self._backend.mapped_threshold()
-        # the largest carry a launch takes; asked at the first flush, since the CUDA
-        # backend must build its kernels to answer
-        self._carry_max = None
+        # The largest carry a launch takes. Asked here, not at the first flush: the
+        # CUDA backend builds and loads its kernels to answer, and loading a kernel
+        # may wait for the whole device (CUDA's lazy loading), which deadlocks behind
+        # a kernel that spins until the host acts (a stream hold; a custom all-reduce
+        # waiting for its peers). A copier is made before such phases.
+        caps = self._backend.carry_capacities()
+        self._carry_max = caps[-1] if caps else 0
         self._ring = StagingRing(self._backend, slots, capacity)
         self.stats = CopyStats()
         self._closed = False
@@ -1054,9 +1058,6 @@ class DeviceCopier:
             be = self._backend
             mode = self.flush_mode
             cmax = self._carry_max
-            if cmax is None:
-                caps = be.carry_capacities()
-                cmax = self._carry_max = caps[-1] if caps else 0
             # the table's end: past it, up to data0, lies table space reserved for a
             # larger step (the reservation keeps the largest count seen)
             head = pack.HEADER_BYTES + n * pack.DESC_BYTES

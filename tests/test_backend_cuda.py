@@ -440,3 +440,53 @@ def test_second_device_leaves_the_current_device_alone():
         with pytest.raises(ValueError, match="belongs to cuda:0, not cuda:1"):
             be1.resolve_stream(s0)
         assert cupy.cuda.runtime.getDevice() == 0
+
+
+_FRESH_PROCESS_STEPS = r"""
+import sys
+import numpy as np
+import cupy
+import cucopy as cc
+
+class Site(cc.CopySite):
+    POS = cc.H2D
+
+plan = cc.CopyPlan(merge={Site.POS})
+stream = cupy.cuda.Stream(non_blocking=True)
+outs = []
+for mode in ("inline", "mapped", "dma"):
+    c = cc.DeviceCopier(plan, device=0, backend="cuda", stream=stream, flush_mode=mode)
+    a = cupy.zeros(3000, np.int32)
+    # the first launch of each kernel in this process happens behind a held stream
+    with c._backend.hold(stream.ptr, timeout=5.0):
+        with c.step():
+            c.copy(Site.POS, a, np.arange(3000, dtype=np.int32))
+    stream.synchronize()
+    outs.append(cupy.asnumpy(a).tolist() == list(range(3000)))
+    c.close()
+print("ok" if all(outs) else f"wrong bytes: {outs}")
+"""
+
+
+def test_first_launches_behind_a_held_stream_do_not_wait_for_the_device():
+    # In a fresh process (no kernel built or loaded yet), a copier's first steps run
+    # behind a stalled stream. A kernel built, or lazily loaded (CUDA's default), at
+    # its first launch may wait for the whole device, which a spinning kernel never
+    # frees: the copier builds its kernels when it is made, and loads them then.
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parents[1])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run(
+        [sys.executable, "-c", _FRESH_PROCESS_STEPS],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=root,
+        env=env,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.strip().endswith("ok"), r.stdout[-2000:]

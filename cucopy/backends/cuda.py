@@ -273,12 +273,34 @@ def _build(source: str, names, what: str, device: int) -> list:
         module = cupy.RawModule(code=source, options=("-std=c++17",))
         kernels = [module.get_function(n) for n in names]
         for k in kernels:
-            _ = k.kernel  # compile and load now, for this device
+            _ = k.kernel  # compile and load the module now, for this device
+            _force_load(k)
     except _CompileError as e:
         raise CopyError(f"cuda:{device}: compiling {what} failed:\n{e}") from e
     except Exception as e:  # NVRTC missing, module load failure
         raise CopyError(f"cuda:{device}: building {what} failed: {e}") from e
     return kernels
+
+
+def _force_load(kernel) -> None:
+    """Load ``kernel``'s code now rather than at its first launch.
+
+    Under CUDA's lazy loading (the default since 12.2) a function is loaded at its
+    first launch or attribute query, and that load may wait for the whole device: a
+    first launch behind a kernel that spins until the host acts (a stream hold, a
+    custom all-reduce) would then never return. Querying an attribute loads it here,
+    at build time; ``cuFuncLoad`` (CUDA 12.4) says so explicitly where it exists.
+    """
+    try:
+        _ = kernel.max_threads_per_block  # cuFuncGetAttribute: loads the function
+    except Exception:
+        pass  # best effort: the first launch loads it as before
+    try:
+        from cuda.bindings import driver as cu
+
+        cu.cuFuncLoad(cu.CUfunction(kernel.kernel.ptr))
+    except Exception:
+        pass  # cuda-python without cuFuncLoad (CUDA < 12.4), or no cuda-python
 
 
 @functools.cache
