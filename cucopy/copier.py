@@ -210,6 +210,7 @@ class DeviceCopier:
         self._slot = None
         self._checker = None
         # the open segment
+        self._wide = False  # a destination wider than one block is staged in it
         self._descs: list = []
         self._entries: list = []
         self._writes = _RangeSet()
@@ -704,6 +705,8 @@ class DeviceCopier:
         self._descs.append((ptr, off, 0, pitch, width, width, rows, kind, 0, 0))
         e = _Entry(site, [on_drop] if on_drop is not None else None, lo, hi, index)
         e.geom = f
+        if hi - lo > pack.BLOCK_BYTES:
+            self._wide = True  # flush cuts it before encoding (pack.split)
         self._exact[(lo, hi)] = len(entries)
         entries.append(e)
         self._writes.add(lo, hi)
@@ -1002,6 +1005,8 @@ class DeviceCopier:
             index = n
         e = _Entry(site, [on_drop] if on_drop is not None else None, lo, hi, index)
         e.geom = geom
+        if hi - lo > pack.BLOCK_BYTES:
+            self._wide = True  # flush cuts it before encoding (pack.split)
         self._entries.append(e)
         w.add(lo, hi)
         self._exact[(lo, hi)] = len(self._entries) - 1
@@ -1012,6 +1017,7 @@ class DeviceCopier:
         self._flush_segment()
 
     def _reset_segment(self) -> None:
+        self._wide = False
         self._descs = []
         self._entries = []
         self._writes.clear()
@@ -1028,17 +1034,30 @@ class DeviceCopier:
         seg, data0, end = self._seg, self._data0, pack.align(self._cursor)
         shift = 0
         checker = self._checker
+        mode = self.flush_mode
+        cmax = self._carry_max
         try:
             if checker is not None:
                 checker.before_flush(entries)
+            if self._wide:  # a destination wider than one block was staged: cut first
+                pieces = pack.split(descs)
+                grow = pack.align(seg + pack.HEADER_BYTES + len(pieces) * pack.DESC_BYTES)
+                if end + max(0, grow - data0) <= slot.top:
+                    descs = pieces
             while True:
                 n = len(descs)
                 need0 = pack.align(seg + pack.HEADER_BYTES + n * pack.DESC_BYTES)
-                if need0 > data0:  # the table outgrew its reservation: move the data up
-                    up = need0 - data0
-                    slot.array[need0 : end + up] = slot.array[data0:end].copy()
-                    end += up
-                    shift += up
+                # > 0: the table outgrew its reservation, move the data up. < 0: space
+                # reserved for a larger step's table lies between table and data; an
+                # inline launch would carry it, so close the gap (a move of at most the
+                # carry limit); other launches do not carry it, so leave it.
+                move = need0 - data0
+                if move < 0 and not (mode in ("inline", "auto") and end - seg + move <= cmax):
+                    move = 0
+                if move:
+                    slot.array[need0 : end + move] = slot.array[data0:end].copy()
+                    end += move
+                    shift += move
                     data0 = need0
                 # H2D rows carry slot offsets; the wire format wants segment offsets
                 nblocks = pack.encode(
@@ -1056,22 +1075,8 @@ class DeviceCopier:
                 descs = pieces
             self._reserve = max(self._reserve, n)
             be = self._backend
-            mode = self.flush_mode
-            cmax = self._carry_max
-            # the table's end: past it, up to data0, lies table space reserved for a
-            # larger step (the reservation keeps the largest count seen)
+            # the header and the table (past the table's end may lie reserved space)
             head = pack.HEADER_BYTES + n * pack.DESC_BYTES
-            gap = data0 - pack.align(seg + head)
-            if gap and mode in ("inline", "auto") and end - seg - gap <= cmax:
-                # an inline launch carries every byte up to the end: close the gap
-                # (a move of at most the carry limit) rather than carry it
-                slot.array[data0 - gap : end - gap] = slot.array[data0:end].copy()
-                data0 -= gap
-                end -= gap
-                shift -= gap
-                nblocks = pack.encode(
-                    slot.mv[seg:data0], descs, data0 - seg, end - seg, shift - seg
-                )
             total = end - seg
             pin = slot.pinned
             if mode in ("inline", "auto") and total <= cmax:

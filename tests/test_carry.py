@@ -300,3 +300,27 @@ def test_a_smaller_step_carries_no_table_space_reserved_for_a_larger_one(env, mo
     else:  # the table, then the data: ten 12-byte rows, 16 bytes apart
         assert carries[1:] == [table + 10 * 16] * 2
     c.close()
+
+
+def test_a_wide_copy_is_cut_before_the_table_is_encoded(env, monkeypatch):
+    # Staging notes a destination wider than one block, so the flush cuts the table
+    # first and encodes it once (not once whole, then again cut).
+    import cucopy.copier as copier_module
+
+    calls = []
+    encode = copier_module.pack.encode
+
+    def counting(*a, **k):
+        calls.append(a[1])
+        return encode(*a, **k)
+
+    monkeypatch.setattr(copier_module.pack, "encode", counting)
+    c = env.copier(PLAN)
+    wide = env.empty((3000,))
+    small = env.empty((4,))
+    with c.step():
+        c.copy(Site.POS, wide, np.arange(3000, dtype=np.int32))
+        c.copy(Site.LENS, small, np.arange(4, dtype=np.int32))
+    assert env.to_host(wide).tolist() == list(range(3000))
+    assert len(calls) == 1 and len(calls[0]) == 4  # 12000 bytes in three pieces, and one
+    c.close()
