@@ -105,13 +105,10 @@ elif [[ -z "$sanitizer" ]]; then
     skip memcheck "compute-sanitizer is not on PATH"
     skip racecheck "compute-sanitizer is not on PATH"
 else
-    if "$PY" bench/kernel_check.py --help 2>/dev/null | grep -q -- --quick; then
-        mem_args=(--quick)
-        race_args=(--quick)
-    else  # an older kernel_check.py: a small run by hand
-        mem_args=(--segments 40 --fills 40)
-        race_args=(--segments 8 --fills 8 --batch 8)
-    fi
+    # a few hundred random segments per flush mode under each tool (the thousands of the
+    # conformance test run without it, in pytest_gpu)
+    mem_args=(--segments 300 --fills 300)
+    race_args=(--segments 40 --fills 40 --batch 8)
     step memcheck 60 "$sanitizer" --tool memcheck --error-exitcode 99 \
         "$PY" bench/kernel_check.py "${mem_args[@]}"
     step racecheck 60 "$sanitizer" --tool racecheck --error-exitcode 99 \

@@ -443,10 +443,12 @@ def test_second_device_leaves_the_current_device_alone():
 
 
 _FRESH_PROCESS_STEPS = r"""
+import ctypes
 import sys
 import numpy as np
 import cupy
 import cucopy as cc
+from cucopy.backends import cuda as cuda_backend
 
 class Site(cc.CopySite):
     POS = cc.H2D
@@ -456,6 +458,13 @@ stream = cupy.cuda.Stream(non_blocking=True)
 outs = []
 for mode in ("inline", "mapped", "dma"):
     c = cc.DeviceCopier(plan, device=0, backend="cuda", stream=stream, flush_mode=mode)
+    is_loaded = cuda_backend._driver_entry("cuFuncIsLoaded")  # CUDA 12.4 and later
+    if is_loaded is not None:  # every kernel loaded when the copier is made
+        k = c._backend._get_kernels()
+        for h in (k.scatter, k.fill, *k.carried.values()):
+            state = ctypes.c_int(-1)
+            assert is_loaded(ctypes.byref(state), ctypes.c_void_p(h)) == 0
+            assert state.value == 1, f"{mode}: kernel {h:#x} not loaded: {state.value}"
     a = cupy.zeros(3000, np.int32)
     # the first launch of each kernel in this process happens behind a held stream
     with c._backend.hold(stream.ptr, timeout=5.0):

@@ -289,18 +289,31 @@ def _force_load(kernel) -> None:
     first launch or attribute query, and that load may wait for the whole device: a
     first launch behind a kernel that spins until the host acts (a stream hold, a
     custom all-reduce) would then never return. Querying an attribute loads it here,
-    at build time; ``cuFuncLoad`` (CUDA 12.4) says so explicitly where it exists.
+    at build time; ``cuFuncLoad`` (CUDA 12.4) says so explicitly where it exists. The
+    driver entry is called straight from the library CuPy already loaded: importing
+    cuda-python's driver module for one call would make it resolve every entry point,
+    and the ones this driver lacks show up as API errors under compute-sanitizer.
     """
     try:
         _ = kernel.max_threads_per_block  # cuFuncGetAttribute: loads the function
     except Exception:
         pass  # best effort: the first launch loads it as before
-    try:
-        from cuda.bindings import driver as cu
+    load = _driver_entry("cuFuncLoad")
+    if load is not None:
+        load(ctypes.c_void_p(kernel.kernel.ptr))  # CUresult ignored: best effort too
 
-        cu.cuFuncLoad(cu.CUfunction(kernel.kernel.ptr))
-    except Exception:
-        pass  # cuda-python without cuFuncLoad (CUDA < 12.4), or no cuda-python
+
+@functools.cache
+def _driver_entry(name: str):
+    """Return the CUDA driver's C function ``name`` (returning a ``CUresult``), or None."""
+    for lib in ("libcuda.so.1", "libcuda.so", "nvcuda.dll"):
+        try:
+            fn = getattr(ctypes.CDLL(lib), name)
+        except (OSError, AttributeError):
+            continue
+        fn.restype = ctypes.c_int
+        return fn
+    return None
 
 
 @functools.cache
