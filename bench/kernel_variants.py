@@ -7,8 +7,10 @@ a thread per round: ``-DCUCOPY_UNROLL``), the library's build followed by a
 slot event (what a mapped step records), and a lean kernel that handles only what these steps hold (one-row H2D copies
 whose data sits at the destination's offset modulo 16), on the segments of the
 step_cost mix: N = 8 and 32 carried whole ("inline"), N = 128 and 512 with the
-header and table carried and the data read from mapped memory ("mapped"). Each
-launch's result is checked against the step's bytes.
+header and table carried and the data read from mapped memory ("mapped"). With
+separate destinations it also times the host rewriting the slot before each launch,
+in ordinary and in write-combined pinned memory (``host_write_us``: the host's copy
+into the slot). Each launch's result is checked against the step's bytes.
 
 Usage: python bench/kernel_variants.py [--reps 200] [--json PATH]. Needs CuPy and a GPU.
 """
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -121,6 +124,9 @@ def main(argv=None) -> int:
     arena = cupy.zeros(4 << 20, np.uint8)
     # four pinned buffers of 1 MiB, as the bench's ring slots
     slots = [be.alloc_pinned(1 << 20) for _ in range(4)]
+    # the same, write-combined: the host's writes skip its caches, so a kernel reading
+    # a slot the host has just rewritten need not snoop them
+    wc_slots = [be.alloc_pinned(1 << 20, write_combined=True) for _ in range(4)]
     buf = (ctypes.c_ubyte * (pack.CARRY_PREFIX + pack.CARRY_CAPACITIES[-1]))()
     size = ctypes.c_size_t(0)
     extra = (ctypes.c_void_p * 5)(1, ctypes.addressof(buf), 2, ctypes.addressof(size), 0)
@@ -131,16 +137,32 @@ def main(argv=None) -> int:
     rows, failures = [], []
 
     def run(
-        n, how, build, fn, nblocks, carry, cap, dsts, payloads, nslots, event, placement, seg=None
+        n,
+        how,
+        build,
+        fn,
+        nblocks,
+        carry,
+        cap,
+        dsts,
+        payloads,
+        nslots,
+        event,
+        placement,
+        seg=None,
+        pool=slots,
     ):
         for d in dsts:
             d.fill(0)
+        host_s = []
 
         def launch(i):
-            slot = slots[i % nslots]
+            slot = pool[i % nslots]
             head[:8] = np.frombuffer(np.uint64(slot.device_ptr).tobytes(), np.uint8)
             if seg is not None:  # the host writes the step into the slot, as the copier does
+                t0 = time.perf_counter()
                 slot.array[: seg.size] = seg
+                host_s.append(time.perf_counter() - t0)
             cb._launch(fn, nblocks, 1, 1, pack.THREADS, 1, 1, 0, h, 0, ctypes.addressof(extra))
             if event is not None:
                 be.event_record(event, h)
@@ -155,6 +177,8 @@ def main(argv=None) -> int:
             "build": build,
             "placement": placement,
             "host_writes_slot": seg is not None,
+            "write_combined": pool is wc_slots,
+            "host_write_us": round(float(np.median(host_s)) * 1e6, 3) if host_s else None,
             "slots": nslots,
             "carried_bytes": int(carry),
             "capacity": cap,
@@ -165,7 +189,8 @@ def main(argv=None) -> int:
         rows.append(row)
         print(
             f"N={n:4d} {how:6s} {build:14s} {placement:8s} {nslots} slot(s)"
-            f"{' rewritten' if seg is not None else ''} {span(row)} us "
+            f"{' rewritten' if seg is not None else ''}{' WC' if pool is wc_slots else ''}"
+            f" {span(row)} us "
             f"({nblocks} blocks, {carry} B carried{'' if ok else ', WRONG'})",
             flush=True,
         )
@@ -204,6 +229,9 @@ def main(argv=None) -> int:
                 fn = modules["library"].get_function(fn_name).kernel.ptr
                 args_ = (n, how, "library", fn, nblocks, carry, cap, dsts, payloads)
                 run(*args_, 4, slot_event, placement, seg)
+                for sl in wc_slots:
+                    sl.array[: seg.size] = seg
+                run(*args_, 4, slot_event, placement, seg, wc_slots)
     result = {"scenario": "kernel_variants", "environment": environment(), "reps": args.reps}
     builds = {k: list(v) for k, v in BUILDS.items()}
     write(args.json, {**result, "builds": builds, "rows": rows, "failures": failures})
