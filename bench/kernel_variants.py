@@ -113,6 +113,21 @@ def _sizes(n: int) -> list:
     return [k * np.dtype(dt).itemsize for k, dt in common.decode_mix(n, 0)]
 
 
+class _Pinned:
+    """Page-locked memory as the probe uses a slot: ``array`` and ``device_ptr``."""
+
+    def __init__(self, ptr: int, nbytes: int):
+        self.ptr = ptr
+        self.device_ptr = cb._rt.pointerGetAttributes(ptr).devicePointer
+        self.array = np.frombuffer((ctypes.c_ubyte * nbytes).from_address(ptr), np.uint8)
+
+
+def _write_combined(nbytes: int) -> _Pinned:
+    """Portable, mapped, write-combined ``cudaHostAlloc`` memory (never freed: a probe)."""
+    portable, mapped, write_combined = 0x01, 0x02, 0x04
+    return _Pinned(cb._rt.hostAlloc(nbytes, portable | mapped | write_combined), nbytes)
+
+
 def main(argv=None) -> int:
     args, cupy, be, stream = start(__doc__, argv)
     h = stream.ptr
@@ -126,7 +141,7 @@ def main(argv=None) -> int:
     slots = [be.alloc_pinned(1 << 20) for _ in range(4)]
     # the same, write-combined: the host's writes skip its caches, so a kernel reading
     # a slot the host has just rewritten need not snoop them
-    wc_slots = [be.alloc_pinned(1 << 20, write_combined=True) for _ in range(4)]
+    wc_slots = [_write_combined(1 << 20) for _ in range(4)]
     buf = (ctypes.c_ubyte * (pack.CARRY_PREFIX + pack.CARRY_CAPACITIES[-1]))()
     size = ctypes.c_size_t(0)
     extra = (ctypes.c_void_p * 5)(1, ctypes.addressof(buf), 2, ctypes.addressof(size), 0)

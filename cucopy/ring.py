@@ -18,11 +18,6 @@ __all__ = ["StagingRing", "Slot"]
 # Demand is remembered over this many steps before a slot shrinks back.
 _DEMAND_WINDOW = 64
 
-# Whether slots ask the backend for write-combined pinned memory (read by the device
-# without snooping the host's caches; the host only writes slots, bar rare moves and
-# check mode). Measured in bench/kernel_variants.py before it becomes the default.
-WRITE_COMBINED = False
-
 
 def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
@@ -62,7 +57,7 @@ class Slot:
     )
 
     def __init__(self, backend, size: int):
-        self.pinned = backend.alloc_pinned(size, write_combined=WRITE_COMBINED)
+        self.pinned = backend.alloc_pinned(size)
         try:
             self.staging = backend.alloc_device(size)
         except BaseException:

@@ -104,12 +104,8 @@ class Backend:
 
     # -- memory ----------------------------------------------------------------
 
-    def alloc_pinned(self, nbytes: int, write_combined: bool = False) -> PinnedBuffer:
-        """Allocate mapped, page-locked host memory.
-
-        ``write_combined`` asks for memory the host writes past its caches: faster for
-        the device to read, very slow for the host to read back. A backend may ignore it.
-        """
+    def alloc_pinned(self, nbytes: int) -> PinnedBuffer:
+        """Allocate mapped, page-locked host memory."""
         # implemented by the backend
         raise NotImplementedError
 

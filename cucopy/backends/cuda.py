@@ -62,7 +62,6 @@ __all__ = ["CudaBackend", "gpu_available", "DEFAULT_MAPPED_THRESHOLD"]
 # CUDA runtime constants (ABI-stable values from driver_types.h).
 _HOST_ALLOC_PORTABLE = 0x01
 _HOST_ALLOC_MAPPED = 0x02
-_HOST_ALLOC_WRITE_COMBINED = 0x04
 _EVENT_DISABLE_TIMING = 0x02
 _H2D = 1  # cudaMemcpyHostToDevice
 _D2H = 2  # cudaMemcpyDeviceToHost
@@ -517,25 +516,18 @@ class CudaBackend(Backend):
 
     # -- memory --------------------------------------------------------------------
 
-    def alloc_pinned(self, nbytes: int, write_combined: bool = False) -> PinnedBuffer:
+    def alloc_pinned(self, nbytes: int) -> PinnedBuffer:
         """Allocate portable, mapped page-locked memory (``cudaHostAlloc``).
-
-        ``write_combined`` adds ``cudaHostAllocWriteCombined``: the host's writes
-        bypass its caches, so the device reads the memory without snooping them, and
-        host reads of it are uncached (slow).
 
         The memory is freed by ``close()``, or once the buffer's NumPy array and
         every view of it are gone. ``cudaFreeHost`` synchronizes the device:
         free at teardown, not per step.
         """
         if _getDevice() != self.device:
-            return self._on_device(self.alloc_pinned, nbytes, write_combined)
+            return self._on_device(self.alloc_pinned, nbytes)
         size = max(1, int(nbytes))
-        flags = _HOST_ALLOC_PORTABLE | _HOST_ALLOC_MAPPED
-        if write_combined:
-            flags |= _HOST_ALLOC_WRITE_COMBINED
         try:
-            ptr = _rt.hostAlloc(size, flags)
+            ptr = _rt.hostAlloc(size, _HOST_ALLOC_PORTABLE | _HOST_ALLOC_MAPPED)
         except _RuntimeError as e:
             raise self._error("cudaHostAlloc", e, f" ({nbytes} bytes)") from e
         try:

@@ -504,8 +504,8 @@ class SimBackend(Backend):
 
     # -- memory --------------------------------------------------------------------
 
-    def alloc_pinned(self, nbytes: int, write_combined: bool = False) -> PinnedBuffer:
-        dev = self.device  # write_combined changes nothing the simulation models
+    def alloc_pinned(self, nbytes: int) -> PinnedBuffer:
+        dev = self.device
         buf = dev.pinned_empty((nbytes,), np.uint8)
         ptr = buf.ctypes.data
         return PinnedBuffer(buf, ptr, dev.mapped_pointer(ptr), lambda: dev._unregister_pinned(buf))
