@@ -197,9 +197,83 @@ def package_versions() -> dict:
     return out
 
 
+# What a source digest covers: the library and the bench, not the stored results.
+DIGEST_DIRS = ("cucopy", "bench")
+DIGEST_SUFFIXES = (".py", ".cu", ".sh")
+
+
+def _digest_path(rel: str) -> bool:
+    parts = rel.split("/")
+    return (
+        parts[0] in DIGEST_DIRS
+        and rel.endswith(DIGEST_SUFFIXES)
+        and "__pycache__" not in parts
+        and "results" not in parts[1:2]
+    )
+
+
+def source_digest(root: Path = REPO, rev: str | None = None) -> str | None:
+    """SHA-256 of the source a measurement ran (``cucopy/`` and ``bench/`` code).
+
+    A checkout copied to another machine may carry a stale ``.git``; its files are
+    what ran. This digest names them: equal to ``source_digest(rev=C)`` computed
+    where commit ``C`` exists, so a stored result can be tied to its commit.
+
+    Parameters
+    ----------
+    root : Path
+        The checkout.
+    rev : str, optional
+        Digest the files of this git revision instead of the working tree.
+
+    Returns
+    -------
+    str or None
+        Hex digest; None when ``rev`` is given and git cannot read it.
+    """
+    import hashlib
+
+    h = hashlib.sha256()
+    if rev is None:
+        files = sorted(
+            p.relative_to(root).as_posix()
+            for d in DIGEST_DIRS
+            if (root / d).is_dir()
+            for p in (root / d).rglob("*")
+            if p.is_file()
+        )
+        read = lambda rel: (root / rel).read_bytes()  # noqa: E731
+    else:
+        try:
+            ls = subprocess.run(
+                ["git", "ls-tree", "-r", "--name-only", rev, "--", *DIGEST_DIRS],
+                cwd=root,
+                capture_output=True,
+                text=True,
+                timeout=30,
+                check=True,
+            )
+        except (OSError, subprocess.SubprocessError):
+            return None
+        files = sorted(ls.stdout.split("\n"))
+
+        def read(rel):
+            return subprocess.run(
+                ["git", "show", f"{rev}:{rel}"], cwd=root, capture_output=True, timeout=30
+            ).stdout
+
+    for rel in files:
+        if rel and _digest_path(rel):
+            data = read(rel)
+            h.update(f"{rel}\0{len(data)}\0".encode())
+            h.update(data)
+    return h.hexdigest()
+
+
 def git_commit() -> dict:
-    """The cucopy checkout's commit and whether the tree has uncommitted changes."""
-    out = {"commit": None, "dirty": None}
+    """The checkout's commit, whether its tree has uncommitted changes, and the
+    digest of the source that ran (:func:`source_digest`)."""
+    out = {"commit": None, "dirty": None, "source_digest": source_digest()}
     try:
         out["commit"] = (
             subprocess.run(

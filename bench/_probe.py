@@ -14,6 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
+from bench._common import source_digest
+
 WARMUP = 10
 
 
@@ -80,6 +82,7 @@ def environment() -> dict:
         "device": rt.getDeviceProperties(0)["name"].decode(),
         "driver": rt.driverGetVersion(),
         "runtime": rt.runtimeGetVersion(),
+        "source_digest": source_digest(),  # bench/digest.py ties it to a commit
     }
 
 

@@ -89,6 +89,7 @@ print("cucopy gpu_available:", gpu_available())
 EOF
     (command -v nvcc >/dev/null && nvcc --version | tail -2) || echo "nvcc: not on PATH"
     git rev-parse HEAD 2>/dev/null || echo "git: no commit (not a checkout)"
+    echo "source digest $("$PY" bench/digest.py)  (bench/digest.py --find names its commit)"
 }
 
 export -f versions

@@ -43,7 +43,10 @@ def test_quick_run_succeeds_and_writes_json(quick_run):
     assert doc["device"] == "sim"
     env = doc["environment"]
     assert {"python", "numpy", "cucopy", "packages"} <= set(env)
-    assert {"commit", "dirty"} <= set(env["cucopy"])
+    assert {"commit", "dirty", "source_digest"} <= set(env["cucopy"])
+    from bench._common import source_digest
+
+    assert env["cucopy"]["source_digest"] == source_digest()  # the files that ran
     assert doc["config"]["quick"] is True
     assert "step_cost" in doc["scenarios"]
     assert any("GPU times need a GPU" in n for n in doc["notes"])
@@ -119,3 +122,41 @@ def test_crossover_picks_the_tail_where_dma_wins():
     assert x["suggested_mapped_threshold"] == 3000
     assert crossover(pts([(1, 2), (1, 3)]))["suggested_mapped_threshold"] == 0
     assert crossover(pts([(3, 2), (3, 1)]))["crossover_segment_bytes"] is None
+
+
+def _git(repo, *args):
+    subprocess.run(
+        ["git", "-c", "user.name=t", "-c", "user.email=t@t", *args],
+        cwd=repo,
+        check=True,
+        capture_output=True,
+    )
+
+
+def test_source_digest_ties_files_to_their_commit(tmp_path):
+    # A copied checkout's .git may be stale; the digest of its files names the commit.
+    from bench._common import source_digest
+
+    (tmp_path / "cucopy" / "kernels").mkdir(parents=True)
+    (tmp_path / "bench" / "results").mkdir(parents=True)
+    (tmp_path / "cucopy" / "a.py").write_text("A = 1\n")
+    (tmp_path / "cucopy" / "kernels" / "k.cu").write_text("// k\n")
+    (tmp_path / "bench" / "b.py").write_text("B = 2\n")
+    (tmp_path / "bench" / "results" / "r.json").write_text("{}")  # not source
+    (tmp_path / "README.md").write_text("not source\n")
+    _git(tmp_path, "init", "-q")
+    _git(tmp_path, "add", "-A")
+    _git(tmp_path, "commit", "-qm", "one")
+    first = source_digest(tmp_path)
+    assert first == source_digest(tmp_path, rev="HEAD")
+    # stored results and other files do not move it
+    (tmp_path / "bench" / "results" / "r.json").write_text('{"x": 1}')
+    (tmp_path / "README.md").write_text("changed\n")
+    assert source_digest(tmp_path) == first
+    # any byte of the library or the bench does
+    (tmp_path / "cucopy" / "kernels" / "k.cu").write_text("// k2\n")
+    assert source_digest(tmp_path) != first
+    _git(tmp_path, "commit", "-qam", "two")
+    assert source_digest(tmp_path, rev="HEAD") == source_digest(tmp_path)
+    assert source_digest(tmp_path, rev="HEAD~1") == first
+    assert source_digest(tmp_path, rev="no-such-rev") is None
