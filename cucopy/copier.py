@@ -149,7 +149,10 @@ class DeviceCopier:
         Pinned staging slots in the ring (steps that may be in flight at once).
     capacity : int
         Bytes of one slot; a step that overflows it runs the rest eagerly and
-        the ring grows the slot at the next :meth:`begin`.
+        the ring grows the slot at the next :meth:`begin` (and shrinks it back
+        after a long run of smaller steps). Replaced slots and temporaries are
+        kept for reuse and freed only by :meth:`close`: ``cudaFreeHost`` and
+        ``cudaFree`` wait for the whole device, which a step must never do.
     flush_mode : {"auto", "dma", "mapped", "inline"}
         How a segment reaches the scatter kernel: uploaded with one H2D copy
         (``dma``), read from mapped pinned memory (``mapped``), carried whole in
@@ -312,7 +315,7 @@ class DeviceCopier:
             try:
                 self._advance()
             except BaseException:
-                self._slot = None  # the ring may have freed it; the next begin() starts afresh
+                self._slot = None  # the ring may have replaced it; the next begin() starts afresh
                 raise
         self._owner = threading.get_ident()
         self._in_step = True
@@ -362,8 +365,9 @@ class DeviceCopier:
         self._reset_segment()
         self._in_step = False
         if self._checker is not None and self._slot is not None:
-            # snapshot copies may still be queued: free their buffers with the slot
-            self._slot.temps.extend(self._checker.release())
+            # snapshot copies may still be queued: free their buffers when the slot
+            # comes round (check mode synchronizes anyway)
+            self._slot.frees.extend(self._checker.release())
             self._slot.dirty = True
         if self._slot is not None:
             self._ring.record(self._stream)
@@ -753,8 +757,7 @@ class DeviceCopier:
             slot.top = top
             return slot.pinned.ptr + top, slot.array, top
         self._ring.note_overflow(nbytes)
-        tmp = self._backend.alloc_pinned(nbytes)
-        slot.temps.append(tmp)
+        tmp = self._ring.temp_pinned(nbytes)  # kept by the ring: never freed mid-run
         return tmp.ptr, tmp.array, 0
 
     # -- D2D ------------------------------------------------------------------------------
@@ -815,8 +818,7 @@ class DeviceCopier:
             be.copy2d(False, dptr, dpitch, sptr, spitch, width, rows, stream)
         else:
             # through a dense temporary: any layout on either side, overlap included
-            tmp = be.alloc_device(d.nbytes)
-            self._slot.temps.append(tmp)
+            tmp = self._ring.temp_device(d.nbytes)
             pos = 0
             for ptr, rows, width, pitch in _layout.blocks(s.ptr, s.shape, s.strides, it):
                 be.copy2d(False, tmp.ptr + pos, width, ptr, pitch, width, rows, stream)

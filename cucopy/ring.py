@@ -5,6 +5,12 @@ snapshots of its eager copies downward from the top. The ring advances once
 per step; the host waits only when the slot it is about to reuse is still in
 flight (its event, recorded after the last work that reads it, has not
 completed). Barriers append segments to the same slot, so they never wait.
+
+No memory is freed before :meth:`StagingRing.close`: ``cudaFreeHost`` and
+``cudaFree`` wait for the whole device, so a free between steps would be the
+coarse synchronization cucopy exists to avoid (behind a kernel that waits on the
+host, a hang). A slot replaced by a larger or smaller one, and each temporary a
+step used, is kept idle and reused by a later step that needs that much.
 """
 
 from __future__ import annotations
@@ -39,7 +45,11 @@ class Slot:
     top : int
         Lowest byte used by eager snapshots (grows downward).
     temps : list
-        Buffers (overflow snapshots, temporaries) freed when the slot is reused.
+        Buffers (overflow snapshots, temporaries) the slot's step used; the ring
+        takes them back, idle, when the slot is reused.
+    frees : list
+        Check mode's unread snapshot buffers, freed when the slot is reused (check
+        mode synchronizes anyway; these are not kept for reuse).
     """
 
     __slots__ = (
@@ -50,6 +60,7 @@ class Slot:
         "bottom",
         "top",
         "temps",
+        "frees",
         "recorded",
         "dirty",
         "array",
@@ -70,12 +81,14 @@ class Slot:
         self.bottom = 0
         self.top = size
         self.temps = []
+        self.frees = []
         self.recorded = False
         self.dirty = False
 
     def release_temps(self) -> None:
-        """Free buffers whose readers have finished (the slot's event completed)."""
-        temps, self.temps = self.temps, []
+        """Free the temporaries (teardown only: a free waits for the whole device)."""
+        temps, self.temps = self.temps + self.frees, []
+        self.frees = []
         for t in temps:
             t.close()
 
@@ -109,6 +122,11 @@ class StagingRing:
         self._demand = collections.deque(maxlen=_DEMAND_WINDOW)
         self._want = 0
         self.current: Slot | None = None
+        # idle memory kept for reuse until close(): replaced slots by size, and the
+        # temporaries of steps whose slots came round again (pinned, device)
+        self._spare_slots: list[Slot] = []
+        self._spare_pinned: list = []
+        self._spare_device: list = []
 
     @property
     def slots(self) -> int:
@@ -144,17 +162,17 @@ class StagingRing:
             self.backend.event_synchronize(event)
             waited = True
         target = self._target()
+        if slot is not None:
+            # idle now (its event completed above): its step's temporaries are spare
+            self._keep_temps(slot)
         if slot is None or slot.size < target or slot.size > 2 * target:
-            # the slot is idle (never used, or its event completed above)
             self.current = None
-            if slot is not None:
+            if slot is not None:  # kept, not freed: a free would wait for the device
                 self._slots[self._index] = None
-                slot.close()
-            slot = Slot(self.backend, target)
+                self._spare_slots.append(slot)
+            slot = self._take_slot(target)
             slot.event = event
             self._slots[self._index] = slot
-        else:
-            slot.release_temps()
         slot.bottom = 0
         slot.top = slot.size
         slot.recorded = False
@@ -170,9 +188,57 @@ class StagingRing:
             slot.recorded = True
             slot.dirty = False
 
+    def _take_slot(self, size: int) -> Slot:
+        """A spare slot of ``size`` bytes, else a new one."""
+        for i, s in enumerate(self._spare_slots):
+            if s.size == size:
+                return self._spare_slots.pop(i)
+        return Slot(self.backend, size)
+
+    def _keep_temps(self, slot: Slot) -> None:
+        frees, slot.frees = slot.frees, []
+        for f in frees:  # check mode's: it synchronizes anyway
+            f.close()
+        temps, slot.temps = slot.temps, []
+        for t in temps:
+            (self._spare_pinned if hasattr(t, "array") else self._spare_device).append(t)
+
+    @staticmethod
+    def _take(spares: list, nbytes: int):
+        best = None
+        for i, t in enumerate(spares):
+            if t.nbytes >= nbytes and (best is None or t.nbytes < spares[best].nbytes):
+                best = i
+        return None if best is None else spares.pop(best)
+
+    def temp_pinned(self, nbytes: int):
+        """Pinned memory of at least ``nbytes`` for the current slot's step.
+
+        Handed back idle when that slot comes round again, then reused; a new buffer
+        is rounded up to a power of two so that later steps find one that fits.
+        """
+        buf = self._take(self._spare_pinned, nbytes)
+        if buf is None:
+            buf = self.backend.alloc_pinned(_pow2(pack.align(max(nbytes, 1), 4096)))
+        self.current.temps.append(buf)
+        return buf
+
+    def temp_device(self, nbytes: int):
+        """Device memory of at least ``nbytes`` for the current slot's step (as
+        :meth:`temp_pinned`)."""
+        buf = self._take(self._spare_device, nbytes)
+        if buf is None:
+            buf = self.backend.alloc_device(_pow2(pack.align(max(nbytes, 1), 4096)))
+        self.current.temps.append(buf)
+        return buf
+
     def pinned_bytes(self) -> int:
-        """Pinned bytes held by the slots (temporaries excluded)."""
+        """Pinned bytes held by the slots in use (spares and temporaries excluded)."""
         return sum(s.size for s in self._slots if s is not None)
+
+    def spare_bytes(self) -> int:
+        """Pinned bytes kept idle for reuse: replaced slots and spare temporaries."""
+        return sum(s.size for s in self._spare_slots) + sum(t.nbytes for t in self._spare_pinned)
 
     def close(self) -> None:
         """Wait for in-flight slots and free all memory."""
@@ -183,6 +249,10 @@ class StagingRing:
             if slot is not None:
                 slot.close()
                 self._slots[i] = None
+        spares = self._spare_slots + self._spare_pinned + self._spare_device
+        self._spare_slots, self._spare_pinned, self._spare_device = [], [], []
+        for spare in spares:
+            spare.close()
         for ev in self._events:
             self.backend.event_destroy(ev)
         self._events = []

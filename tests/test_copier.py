@@ -56,6 +56,44 @@ def test_snapshot_on_a_stalled_stream(env, site):
     assert env.to_host(a).tolist() == [5] * 16
 
 
+def test_slots_replaced_behind_a_stalled_stream_free_nothing(env):
+    """Steps outgrow their slots and use temporaries while the stream is stalled: the
+    ring replaces slots and takes temporaries back without freeing any memory. A free
+    (cudaFreeHost, cudaFree) waits for the whole device, so behind a kernel that waits
+    on the host it would never return (the sim raises SimDeadlock instead)."""
+    c = env.copier(PLAN, slots=2, capacity=4096)
+    stream = env.default_stream
+    a = env.empty((16,))
+    big = env.empty((3000,))  # 12000 bytes: more than a 4 KiB slot holds
+    for step in range(2):  # both slots used and idle
+        with c.step():
+            c.copy(Site.POS, a, np.full(16, step, np.int32))
+    assert env.to_host(a).tolist() == [1] * 16
+    with env.hold(stream):
+        with c.step():  # slot 0: the snapshot overflows into a pinned temporary
+            c.copy(Site.PLAIN, big, np.full(3000, 7, np.int32))
+            c.copy(Site.POS, a, np.full(16, 2, np.int32))
+            c.copy(Site.GATHER2, a[4:12], a[:8])  # overlapping D2D: a device temporary
+        with c.step():  # slot 1 is replaced by a larger one
+            c.copy(Site.POS, a[:4], np.full(4, 3, np.int32))
+    ref = np.full(16, 2, np.int32)
+    ref[4:12] = ref[:8].copy()
+    ref[:4] = 3
+    assert env.to_host(a).tolist() == ref.tolist()
+    assert env.to_host(big).tolist() == [7] * 3000
+    with env.hold(stream):
+        for step in range(2):  # slot 0 replaced, its temporaries kept and reused
+            with c.step():
+                c.copy(Site.PLAIN, big, np.full(3000, 10 + step, np.int32))
+                c.copy(Site.GATHER2, a[4:12], a[:8])
+    ref[4:12] = ref[:8].copy()
+    ref[4:12] = ref[:8].copy()
+    assert env.to_host(big).tolist() == [11] * 3000
+    assert env.to_host(a).tolist() == ref.tolist()
+    assert c._ring.spare_bytes() > 0  # the replaced slots and temporaries, kept
+    c.close()
+
+
 def test_overlap_scheduler_runs_steps_ahead_of_a_stalled_stream(env):
     """One persistent pinned buffer refilled every step while the GPU is behind."""
     c = env.copier(PLAN, slots=4)

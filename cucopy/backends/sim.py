@@ -13,6 +13,9 @@ It models what makes the copier hard rather than just moving bytes:
 - pinned host memory that an async H2D copy reads *when the copy runs*, and
   pageable host memory read at the call (as ``cudaMemcpyAsync`` stages it);
 - :meth:`SimStream.hold` to stall a stream the way a long kernel does;
+- freeing a backend buffer waits for the whole device, as ``cudaFree`` and
+  ``cudaFreeHost`` do (:class:`SimDeadlock` while a stream with queued work is
+  held);
 - graph capture and replay: captured work is re-run, re-reading its sources;
 - the scatter kernel as :func:`cucopy.pack.reference_scatter` over the same
   segment bytes, applying one segment's descriptors in a seeded shuffled order.
@@ -508,11 +511,22 @@ class SimBackend(Backend):
         dev = self.device
         buf = dev.pinned_empty((nbytes,), np.uint8)
         ptr = buf.ctypes.data
-        return PinnedBuffer(buf, ptr, dev.mapped_pointer(ptr), lambda: dev._unregister_pinned(buf))
+
+        def free():
+            dev.synchronize()  # cudaFreeHost waits for the whole device
+            dev._unregister_pinned(buf)
+
+        return PinnedBuffer(buf, ptr, dev.mapped_pointer(ptr), free)
 
     def alloc_device(self, nbytes: int) -> DeviceBuffer:
-        base, _ = self.device._alloc(nbytes)
-        return DeviceBuffer(base, nbytes, lambda: self.device._free(base))
+        dev = self.device
+        base, _ = dev._alloc(nbytes)
+
+        def free():
+            dev.synchronize()  # cudaFree waits for the whole device
+            dev._free(base)
+
+        return DeviceBuffer(base, nbytes, free)
 
     def is_pinned(self, host_ptr: int) -> bool:
         return self.device.is_pinned(host_ptr)
