@@ -14,7 +14,7 @@ from . import _layout, check, pack
 from .adapters import ArrayInfo, fingerprint_fn, readonly_hint, resolve
 from .errors import CopyError
 from .plan import CopyPlan
-from .ring import StagingRing
+from .ring import StagingRing, free_orphans, orphan
 from .sites import CopySite, Direction
 from .stats import CopyStats
 
@@ -204,6 +204,7 @@ class DeviceCopier:
         # waiting for its peers). A copier is made before such phases.
         caps = self._backend.carry_capacities()
         self._carry_max = caps[-1] if caps else 0
+        free_orphans()  # rings of copiers collected without close(), freed here
         self._ring = StagingRing(self._backend, slots, capacity)
         self.stats = CopyStats()
         self._closed = False
@@ -224,7 +225,8 @@ class DeviceCopier:
         self._data0 = 0
         self._reserve = 16
         self._cursor = 0
-        self._finalizer = weakref.finalize(self, StagingRing.close, self._ring)
+        # collected without close(): the ring is set aside, not freed by the collector
+        self._finalizer = weakref.finalize(self, orphan, self._ring)
         check.register(self)
 
     # -- properties -----------------------------------------------------------------
@@ -263,7 +265,12 @@ class DeviceCopier:
     # -- lifetime ---------------------------------------------------------------------
 
     def close(self) -> None:
-        """Flush what is staged, wait for in-flight slots and free the ring. Idempotent."""
+        """Flush what is staged, wait for in-flight slots and free the ring. Idempotent.
+
+        A copier the garbage collector takes without ``close()`` frees nothing then
+        (the collector may run inside a stream hold, where a wait never returns): its
+        ring is set aside and freed when the next copier is made or closed.
+        """
         if self._closed:
             return
         try:
@@ -279,7 +286,9 @@ class DeviceCopier:
             self._in_step = False
             self._dcache.clear()
             check.unregister(self)
-            self._finalizer()
+            if self._finalizer.detach() is not None:
+                self._ring.close()
+            free_orphans()
 
     def __enter__(self) -> DeviceCopier:
         return self

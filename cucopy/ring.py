@@ -16,6 +16,7 @@ step used, is kept idle and reused by a later step that needs that much.
 from __future__ import annotations
 
 import collections
+import threading
 
 from . import pack
 
@@ -23,6 +24,30 @@ __all__ = ["StagingRing", "Slot"]
 
 # Demand is remembered over this many steps before a slot shrinks back.
 _DEMAND_WINDOW = 64
+
+
+# Rings of copiers collected without close(): freed at the next copier made or
+# closed, never by the garbage collector (a free, and close()'s wait for in-flight
+# slots, wait for the device, at whatever moment a collection happens to run).
+_orphans: list = []
+_orphans_lock = threading.Lock()
+
+
+def orphan(ring: StagingRing) -> None:
+    """Set aside the ring of a copier the garbage collector took (see :func:`free_orphans`)."""
+    _orphans.append(ring)
+
+
+def free_orphans() -> None:
+    """Wait for and free the rings :func:`orphan` set aside (a copier is made or closed)."""
+    with _orphans_lock:
+        rings = _orphans[:]
+        del _orphans[:]
+    for ring in rings:
+        try:
+            ring.close()
+        except Exception:  # its device may be gone: nothing left to free
+            pass
 
 
 def _pow2(n: int) -> int:

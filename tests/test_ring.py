@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import gc
 import os
+import sys
+import weakref
 
 import numpy as np
 import pytest
@@ -94,14 +96,46 @@ def test_ring_close_is_idempotent(sim_env):
     assert live(dev)[0] == before[0]
 
 
-def test_ring_finalizer_frees_an_unclosed_copier(sim_env):
+def test_ring_of_an_unclosed_copier_is_freed_when_the_next_copier_is_made(sim_env):
     dev = sim_env.dev
     before = live(dev)
     c = sim_env.copier(PLAN, slots=2, capacity=4096)
     arrays = busy_steps(c, dev, n=3)
+    ref = weakref.ref(c)
     del c
     gc.collect()
+    assert ref() is None
+    assert live(dev) > (before[0], before[1] + len(arrays))  # set aside, not freed
+    sim_env.copier(PLAN).close()  # made and closed: the set-aside ring goes too
     assert live(dev) == (before[0], before[1] + len(arrays))
+
+
+def test_collecting_an_unclosed_copier_behind_a_stalled_stream_waits_for_nothing(
+    sim_env, monkeypatch
+):
+    """The garbage collector may run anywhere, inside a stream hold too: freeing the ring
+    there (a wait for in-flight slots, then frees that wait for the device) would hang.
+    The ring is set aside and freed when the next copier is made."""
+    raised = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda info: raised.append(info.exc_value))
+    dev = sim_env.dev
+    a = dev.empty((16,), np.int32)
+    before = live(dev)
+    c = sim_env.copier(PLAN, slots=2, capacity=4096)
+    stream = dev.default_stream
+    with stream.hold():
+        with c.step():
+            c.copy(Site.POS, a, np.full(16, 4, np.int32))
+        held = live(dev)
+        del c
+        gc.collect()
+        assert raised == []  # a finalizer that waited would have raised SimDeadlock here
+        assert live(dev) == held
+    assert sim_env.to_host(a).tolist() == [4] * 16
+    c2 = sim_env.copier(PLAN)  # frees the set-aside ring (its slots come at begin())
+    assert live(dev) == before
+    c2.close()
+    assert raised == []
 
 
 def test_ring_check_mode_frees_snapshots_of_discarded_copies(sim_env, check_mode):
