@@ -87,6 +87,35 @@ class _RangeSet:
             return True
         return i < len(self.lo) and self.lo[i] < hi
 
+    def claim(self, lo: int, hi: int) -> bool:
+        """Insert ``[lo, hi)`` (non-empty) unless it overlaps a range held: one search.
+
+        Returns False, having changed nothing, on an overlap. Merges with the
+        ranges it touches, as :meth:`add` does.
+        """
+        los, his = self.lo, self.hi
+        i = bisect.bisect_right(los, lo)
+        if i and his[i - 1] >= lo:
+            if his[i - 1] > lo:
+                return False
+            # touches the range before it
+            if i < len(los) and los[i] <= hi:
+                if los[i] < hi:
+                    return False
+                his[i - 1] = his[i]  # and the one after: the three become one
+                del los[i], his[i]
+            else:
+                his[i - 1] = hi
+            return True
+        if i < len(los) and los[i] <= hi:
+            if los[i] < hi:
+                return False
+            los[i] = lo  # touches the range after it
+            return True
+        los.insert(i, lo)
+        his.insert(i, hi)
+        return True
+
     def add(self, lo: int, hi: int) -> None:
         """Insert, merging with any interval it touches."""
         i = bisect.bisect_left(self.hi, lo)  # first interval ending at or after lo
@@ -512,13 +541,17 @@ class DeviceCopier:
             and self._owner == _get_ident()
             and (on_drop is None or callable(on_drop))
         ):
+            # ent: (weakref, fingerprint fn, fingerprint, form, lo, hi, nbytes, dtype,
+            # size, kind), from _remember
             ent = self._dcache.get(id(dst))
             if (
                 ent is not None
                 and ent[0]() is dst
                 and ent[1](dst) == ent[2]
                 and site.direction is _H2D
-                and self._stage_known(site, ent, src, on_drop)
+                and src.dtype == ent[7]
+                and src.size == ent[8]
+                and self._append_h2d(site, on_drop, ent[3], ent[4], ent[5], ent[6], ent[9], src)
             ):
                 return True
         if self._closed or (self._in_step and self._owner != _get_ident()):
@@ -686,13 +719,6 @@ class DeviceCopier:
             kind,
         )
 
-    def _stage_known(self, site, ent, src, on_drop) -> bool:
-        """Stage a NumPy source into a cached destination; False leaves it to the full path."""
-        _, _, _, f, lo, hi, nbytes, dtype, size, kind = ent
-        if src.dtype != dtype or src.size != size:
-            return False
-        return self._append_h2d(site, on_drop, f, lo, hi, nbytes, kind, src)
-
     def _append_h2d(self, site, on_drop, f, lo, hi, nbytes, kind, host) -> bool:
         """Stage ``host``'s bytes into the open segment: the common case, kept lean.
 
@@ -700,30 +726,36 @@ class DeviceCopier:
         bytes do not fit, they overlap anything staged, or ``host`` is not
         C-contiguous; the general path then takes the copy.
         """
-        entries = self._entries
-        if self._seg < 0 or (
-            entries and (self._writes.overlaps(lo, hi) or self._reads.overlaps(lo, hi))
-        ):
+        if self._seg < 0:
             return False
+        reads = self._reads
+        if reads.lo and reads.overlaps(lo, hi):
+            return False
+        descs = self._descs
         off = (self._cursor + 15) & -16
-        grow = len(self._descs) + 2 - self._reserve
+        grow = len(descs) + 2 - self._reserve
         if off + nbytes + (grow * pack.DESC_BYTES + 16 if grow > 0 else 0) > self._slot.top:
             return False
         try:  # a typed memoryview assignment is the cheapest byte copy from Python
             self._slot.mv[off : off + nbytes] = host.data.cast("B")
         except (TypeError, ValueError, NotImplementedError, BufferError):
             return False
+        # bytes written past the cursor change nothing until the cursor moves
+        if not self._writes.claim(lo, hi):
+            return False
+        entries = self._entries
         ptr, rows, width, pitch = f
-        index = len(self._descs)
-        self._descs.append((ptr, off, 0, pitch, width, width, rows, kind, 0, 0))
+        index = len(descs)
+        descs.append((ptr, off, 0, pitch, width, width, rows, kind, 0, 0))
         e = _Entry(site, [on_drop] if on_drop is not None else None, lo, hi, index)
         e.geom = f
         if hi - lo > pack.BLOCK_BYTES:
             self._wide = True  # flush cuts it before encoding (pack.split)
         self._exact[(lo, hi)] = len(entries)
         entries.append(e)
-        self._writes.add(lo, hi)
         self._cursor = off + nbytes
+        if self._checker is None and site not in self._barriers:
+            return True
         return self._landed_by_barrier(site, e, None, None)
 
     def _capture_h2d(self, site, d, s) -> bool:

@@ -497,3 +497,26 @@ def test_a_cached_destination_still_refuses_a_non_callable_on_drop(env):
             c.copy(Site.POS, a, np.full(4, 2, np.int32), on_drop=5)
         c.copy(Site.POS, a, np.full(4, 3, np.int32))
     assert env.to_host(a).tolist() == [3] * 4
+
+
+def test_range_set_claim_matches_a_byte_model():
+    # the staging fast path's one-search overlap check and insert, against sets of bytes
+    from cucopy.copier import _RangeSet
+
+    rng = np.random.default_rng(7)
+    for _ in range(200):
+        rs, held = _RangeSet(), set()
+        for _ in range(40):
+            lo = int(rng.integers(0, 200))
+            hi = lo + int(rng.integers(1, 24))
+            span = set(range(lo, hi))
+            free = not (span & held)
+            assert rs.overlaps(lo, hi) == (not free)
+            assert rs.claim(lo, hi) == free
+            if free:
+                held |= span
+            # disjoint, sorted, and touching ranges merged: exactly the held bytes
+            pairs = list(zip(rs.lo, rs.hi))
+            assert all(a < b for a, b in pairs)
+            assert all(b1 < a2 for (_, b1), (a2, _) in zip(pairs, pairs[1:]))
+            assert set().union(*(range(a, b) for a, b in pairs)) == held
