@@ -293,6 +293,21 @@ class DeviceCopier:
 
     # -- lifetime ---------------------------------------------------------------------
 
+    def trim(self) -> int:
+        """Free the memory the ring keeps for reuse: replaced slots and idle temporaries.
+
+        A step never frees memory (a free waits for the whole device); after a phase
+        of unusually large steps or eager copies, call this where such a wait is
+        harmless (between phases, not while another stream waits on the host).
+
+        Returns
+        -------
+        int
+            Bytes freed (pinned and device).
+        """
+        self._live()
+        return self._ring.trim()
+
     def close(self) -> None:
         """Flush what is staged, wait for in-flight slots and free the ring. Idempotent.
 

@@ -257,6 +257,20 @@ class StagingRing:
         self.current.temps.append(buf)
         return buf
 
+    def trim(self) -> int:
+        """Free the spare slots and temporaries (idle by construction); return the bytes
+        freed (a slot counts its pinned buffer and its device staging twin).
+
+        Each free waits for the whole device: call it where a wait is harmless.
+        """
+        spares = self._spare_slots + self._spare_pinned + self._spare_device
+        self._spare_slots, self._spare_pinned, self._spare_device = [], [], []
+        freed = 0
+        for spare in spares:
+            freed += 2 * spare.size if isinstance(spare, Slot) else spare.nbytes
+            spare.close()
+        return freed
+
     def pinned_bytes(self) -> int:
         """Pinned bytes held by the slots in use (spares and temporaries excluded)."""
         return sum(s.size for s in self._slots if s is not None)
@@ -274,10 +288,7 @@ class StagingRing:
             if slot is not None:
                 slot.close()
                 self._slots[i] = None
-        spares = self._spare_slots + self._spare_pinned + self._spare_device
-        self._spare_slots, self._spare_pinned, self._spare_device = [], [], []
-        for spare in spares:
-            spare.close()
+        self.trim()
         for ev in self._events:
             self.backend.event_destroy(ev)
         self._events = []

@@ -301,3 +301,28 @@ def test_ring_grows_once_for_an_overflowing_copy(sim_env):
         c.copy(Site.POS, big, np.arange(6000, dtype=np.int32))
     assert c.stats.sites[Site.POS].merged == 1  # the grown slot holds it
     assert c._ring.pinned_bytes() == 32768  # 24000 bytes plus a header: the next power of two
+
+
+def test_trim_frees_what_the_ring_kept_and_the_copier_goes_on(sim_env):
+    dev = sim_env.dev
+    a = dev.empty((16,), np.int32)
+    big = dev.empty((6000,), np.int32)  # 24000 bytes: more than a 4 KiB slot holds
+    c = sim_env.copier(PLAN, slots=2, capacity=4096)
+    assert c.trim() == 0  # nothing kept yet
+    for i in range(4):  # the big copies overflow, the slots grow: old slots kept
+        with c.step():
+            c.copy(Site.POS, big, np.full(6000, i, np.int32))
+            c.copy(Site.PLAIN, a, np.full(16, i, np.int32))
+    sim_env.to_host(a)
+    kept = c._ring.spare_bytes()
+    before = live(dev)
+    assert kept > 0
+    freed = c.trim()
+    assert freed >= kept and live(dev) < before
+    assert c._ring.spare_bytes() == 0
+    with c.step():  # still works
+        c.copy(Site.POS, big, np.full(6000, 9, np.int32))
+    assert sim_env.to_host(big).tolist() == [9] * 6000
+    c.close()
+    with pytest.raises(cc.CopyError, match="closed"):
+        c.trim()
