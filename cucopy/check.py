@@ -91,12 +91,16 @@ def expect_landed(site, dst) -> None:
 class _Snap:
     """Device bytes ``[lo, hi)`` copied on the stream at one point of program order."""
 
-    __slots__ = ("buf", "lo", "hi", "data")
+    __slots__ = ("buf", "lo", "hi", "data", "owned")
 
-    def __init__(self, backend, stream, lo, hi):
+    def __init__(self, backend, stream, lo, hi, alloc=None):
         self.lo, self.hi = lo, hi
         self.data = None
-        self.buf = backend.alloc_device(max(hi - lo, 1))
+        # a step's snapshots come from its ring slot (``alloc``), which takes them back
+        # when the slot comes round; others are freed once read (a free waits for the
+        # whole device, so a step never does it)
+        self.owned = alloc is None
+        self.buf = (backend.alloc_device if alloc is None else alloc)(max(hi - lo, 1))
         if hi > lo:
             backend.copy2d(False, self.buf.ptr, hi - lo, lo, hi - lo, hi - lo, 1, stream)
 
@@ -106,7 +110,8 @@ class _Snap:
                 backend.read(self.buf.ptr, self.hi - self.lo, stream) if self.hi > self.lo else b""
             )
             self.data = np.frombuffer(raw, np.uint8).copy()
-            self.buf.close()
+            if self.owned:
+                self.buf.close()
         return self.data
 
 
@@ -149,7 +154,9 @@ class Checker:
 
     def snap(self, lo, hi) -> _Snap:
         """Snapshot device bytes at the current stream position."""
-        snap = _Snap(self.backend, self.stream, lo, hi)
+        ring = self.copier._ring
+        alloc = ring.temp_device if ring.current is not None else None
+        snap = _Snap(self.backend, self.stream, lo, hi, alloc)
         self.snaps.append(snap)
         return snap
 
@@ -160,7 +167,7 @@ class Checker:
         the copies that fill them.
         """
         snaps, self.snaps, self.pending = self.snaps, [], []
-        return [snap.buf for snap in snaps if snap.data is None]
+        return [snap.buf for snap in snaps if snap.data is None and snap.owned]
 
     def on_stage(self, e, d, s) -> None:
         """A copy was staged into entry ``e`` (dst ``d``, D2D source ``s``)."""

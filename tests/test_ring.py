@@ -138,41 +138,54 @@ def test_collecting_an_unclosed_copier_behind_a_stalled_stream_waits_for_nothing
     assert raised == []
 
 
-def test_ring_check_mode_frees_snapshots_of_discarded_copies(sim_env, check_mode):
+def _no_free_and_no_growth(dev, step, warm=4, more=10):
+    """Run ``step`` ``warm`` times, then ``more``: the live allocations never fall (no free
+    mid-run) and stop growing once the ring's pools hold what a step needs."""
+    for i in range(warm):
+        step(i)
+    before = live(dev)
+    seen = [before]
+    for i in range(warm, warm + more):
+        step(i)
+        seen.append(live(dev))
+    assert all(x <= y for x, y in zip(seen, seen[1:])), "memory freed mid-run"
+    assert seen[-1] == before, "check mode's snapshot memory keeps growing"
+
+
+def test_ring_check_mode_reuses_snapshots_of_discarded_copies(sim_env, check_mode):
     dev = sim_env.dev
     a = dev.empty((16,), np.int32)
     c = sim_env.copier(PLAN, slots=2)
-    for _ in range(3):  # every slot allocated
-        with c.step():
-            c.copy(Site.POS, a, np.ones(16, np.int32))
-    before = live(dev)
-    for _ in range(10):
+
+    def step(i):
+        # snapshot copies may still be queued at discard: their buffers go back to the
+        # ring with the slot, for a later step's snapshots
         c.begin()
         c.copy(Site.POS, a, np.ones(16, np.int32))
         c.copy(Site.GATHER, a[8:], a[:8])
         c.discard()
-    # snapshot copies may still be queued at discard: their buffers go with the
-    # slot and are freed when the ring comes back to it
-    for _ in range(2):
         with c.step():
             c.copy(Site.POS, a, np.ones(16, np.int32))
-    assert live(dev)[1] == before[1]
+
+    _no_free_and_no_growth(dev, step)
+    c.close()
 
 
-def test_ring_check_mode_frees_snapshots_of_flushed_copies(sim_env, check_mode):
+def test_ring_check_mode_reuses_snapshots_of_flushed_copies(sim_env, check_mode):
     dev = sim_env.dev
     a = dev.empty((16,), np.int32)
     c = sim_env.copier(PLAN, slots=2)
-    for _ in range(3):  # every slot allocated
-        with c.step():
-            c.copy(Site.POS, a, np.ones(16, np.int32))
-    before = live(dev)
-    for i in range(10):
+
+    def step(i):
         with c.step():
             c.copy(Site.POS, a[:8], np.full(8, i, np.int32))
             c.copy(Site.GATHER, a[8:], a[:8])
             c.copy(Site.POS, a[:8], np.full(8, i, np.int32), unchanged=True)
-    assert live(dev)[1] == before[1]
+
+    _no_free_and_no_growth(dev, step)
+    before = live(dev)
+    c.close()
+    assert live(dev)[1] < before[1]
 
 
 # -- a closed copier refuses work --------------------------------------------------------------
