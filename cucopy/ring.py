@@ -73,8 +73,8 @@ class Slot:
         Buffers (overflow snapshots, temporaries) the slot's step used; the ring
         takes them back, idle, when the slot is reused.
     frees : list
-        Check mode's unread snapshot buffers, freed when the slot is reused (check
-        mode synchronizes anyway; these are not kept for reuse).
+        Check mode's unread snapshot buffers that did not come from the ring (none
+        while a slot is current), freed when the slot is reused.
     """
 
     __slots__ = (
@@ -222,7 +222,7 @@ class StagingRing:
 
     def _keep_temps(self, slot: Slot) -> None:
         frees, slot.frees = slot.frees, []
-        for f in frees:  # check mode's: it synchronizes anyway
+        for f in frees:  # check mode's, from outside the pool: it synchronizes anyway
             f.close()
         temps, slot.temps = slot.temps, []
         for t in temps:
