@@ -150,8 +150,9 @@ class StagingRing:
         # idle memory kept for reuse until close(): replaced slots by size, and the
         # temporaries of steps whose slots came round again (pinned, device)
         self._spare_slots: list[Slot] = []
-        self._spare_pinned: list = []
-        self._spare_device: list = []
+        # spare temporaries by size (every one is a power of two, see _size)
+        self._spare_pinned: dict[int, list] = {}
+        self._spare_device: dict[int, list] = {}
 
     @property
     def slots(self) -> int:
@@ -226,34 +227,36 @@ class StagingRing:
             f.close()
         temps, slot.temps = slot.temps, []
         for t in temps:
-            (self._spare_pinned if hasattr(t, "array") else self._spare_device).append(t)
+            spares = self._spare_pinned if hasattr(t, "array") else self._spare_device
+            spares.setdefault(t.nbytes, []).append(t)
 
     @staticmethod
-    def _take(spares: list, nbytes: int):
-        best = None
-        for i, t in enumerate(spares):
-            if t.nbytes >= nbytes and (best is None or t.nbytes < spares[best].nbytes):
-                best = i
-        return None if best is None else spares.pop(best)
+    def _size(nbytes: int) -> int:
+        """A temporary's size: a power of two of at least 4 KiB, so steps share them."""
+        return _pow2(pack.align(max(nbytes, 1), 4096))
+
+    @staticmethod
+    def _spares(spares: dict) -> list:
+        return [t for bucket in spares.values() for t in bucket]
 
     def temp_pinned(self, nbytes: int):
         """Pinned memory of at least ``nbytes`` for the current slot's step.
 
-        Handed back idle when that slot comes round again, then reused; a new buffer
-        is rounded up to a power of two so that later steps find one that fits.
+        Handed back idle when that slot comes round again, then reused by a later
+        request of the same power-of-two size (:meth:`_size`).
         """
-        buf = self._take(self._spare_pinned, nbytes)
-        if buf is None:
-            buf = self.backend.alloc_pinned(_pow2(pack.align(max(nbytes, 1), 4096)))
+        size = self._size(nbytes)
+        bucket = self._spare_pinned.get(size)
+        buf = bucket.pop() if bucket else self.backend.alloc_pinned(size)
         self.current.temps.append(buf)
         return buf
 
     def temp_device(self, nbytes: int):
         """Device memory of at least ``nbytes`` for the current slot's step (as
         :meth:`temp_pinned`)."""
-        buf = self._take(self._spare_device, nbytes)
-        if buf is None:
-            buf = self.backend.alloc_device(_pow2(pack.align(max(nbytes, 1), 4096)))
+        size = self._size(nbytes)
+        bucket = self._spare_device.get(size)
+        buf = bucket.pop() if bucket else self.backend.alloc_device(size)
         self.current.temps.append(buf)
         return buf
 
@@ -263,8 +266,9 @@ class StagingRing:
 
         Each free waits for the whole device: call it where a wait is harmless.
         """
-        spares = self._spare_slots + self._spare_pinned + self._spare_device
-        self._spare_slots, self._spare_pinned, self._spare_device = [], [], []
+        spares = self._spare_slots + self._spares(self._spare_pinned)
+        spares += self._spares(self._spare_device)
+        self._spare_slots, self._spare_pinned, self._spare_device = [], {}, {}
         freed = 0
         for spare in spares:
             freed += 2 * spare.size if isinstance(spare, Slot) else spare.nbytes
@@ -277,7 +281,8 @@ class StagingRing:
 
     def spare_bytes(self) -> int:
         """Pinned bytes kept idle for reuse: replaced slots and spare temporaries."""
-        return sum(s.size for s in self._spare_slots) + sum(t.nbytes for t in self._spare_pinned)
+        kept = self._spare_slots + self._spares(self._spare_pinned)
+        return sum(s.size if isinstance(s, Slot) else s.nbytes for s in kept)
 
     def close(self) -> None:
         """Wait for in-flight slots and free all memory."""
