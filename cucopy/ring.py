@@ -239,26 +239,25 @@ class StagingRing:
     def _spares(spares: dict) -> list:
         return [t for bucket in spares.values() for t in bucket]
 
+    def _temp(self, spares: dict, alloc, nbytes: int):
+        size = self._size(nbytes)
+        bucket = spares.get(size)
+        buf = bucket.pop() if bucket else alloc(size)
+        self.current.temps.append(buf)
+        return buf
+
     def temp_pinned(self, nbytes: int):
         """Pinned memory of at least ``nbytes`` for the current slot's step.
 
         Handed back idle when that slot comes round again, then reused by a later
         request of the same power-of-two size (:meth:`_size`).
         """
-        size = self._size(nbytes)
-        bucket = self._spare_pinned.get(size)
-        buf = bucket.pop() if bucket else self.backend.alloc_pinned(size)
-        self.current.temps.append(buf)
-        return buf
+        return self._temp(self._spare_pinned, self.backend.alloc_pinned, nbytes)
 
     def temp_device(self, nbytes: int):
         """Device memory of at least ``nbytes`` for the current slot's step (as
         :meth:`temp_pinned`)."""
-        size = self._size(nbytes)
-        bucket = self._spare_device.get(size)
-        buf = bucket.pop() if bucket else self.backend.alloc_device(size)
-        self.current.temps.append(buf)
-        return buf
+        return self._temp(self._spare_device, self.backend.alloc_device, nbytes)
 
     def trim(self) -> int:
         """Free the spare slots and temporaries (idle by construction); return the bytes
