@@ -75,7 +75,7 @@ def expect_landed(site, dst) -> None:
     info = resolve(dst)
     lo, hi = _layout.extent(info.ptr, info.shape, info.strides, info.dtype.itemsize)
     for copier in list(_live):
-        for e in copier._entries:
+        for e in copier._seg.entries:
             if (
                 e.lo < hi
                 and lo < e.hi
@@ -177,7 +177,7 @@ class Checker:
         idx = e.index if isinstance(e.index, list) else [e.index]
         payload = []
         for i in idx:
-            desc = c._descs[i]
+            desc = c._seg.desc(i)
             if desc[7] <= 2:  # H2D: the staged bytes, as snapshotted into the slot
                 n = desc[5] * desc[6]
                 payload.append((desc, c._slot.array[desc[1] : desc[1] + n].copy()))
@@ -268,7 +268,7 @@ def verify_unchanged(copier, site, d, s, fill) -> None:
     backend, stream = copier.backend, copier.stream
     it = d.dtype.itemsize
     lo, hi = _layout.extent(d.ptr, d.shape, d.strides, it)
-    staged = [(e, e.data, e.ssnap) for e in copier._entries if e.data is not None]
+    staged = [(e, e.data, e.ssnap) for e in copier._seg.entries if e.data is not None]
     checker = copier._checker if copier.in_step else None
     take = checker.snap if checker is not None else (lambda a, b: _Snap(backend, stream, a, b))
     dsnap = take(lo, hi)

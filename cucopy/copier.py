@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import contextvars
 import threading
@@ -15,6 +14,7 @@ from .adapters import ArrayInfo, fingerprint_fn, readonly_hint, resolve
 from .errors import CopyError
 from .plan import CopyPlan
 from .ring import StagingRing, free_orphans, orphan
+from .segment import BARRIER, FULL, ORDER, Segment
 from .sites import CopySite, Direction
 from .stats import CopyStats
 
@@ -25,7 +25,6 @@ _get_ident = threading.get_ident
 FLUSH_MODES = ("auto", "dma", "mapped", "inline")
 _EMPTY_PLAN = CopyPlan()
 _FILL_ELEMS = (1, 2, 4, 8)
-_DCACHE_MAX = 4096
 # Without a carried header and table (a backend that carries nothing), "auto"
 # reads a segment from mapped memory only while every block's descriptor reads
 # stay few: on the H200, 8 and 32 descriptors ran 10.1 and 13.5 us mapped against
@@ -66,97 +65,6 @@ def make_backend(backend=None, device=None):
             raise TypeError(f"device: the cuda backend takes a CUDA ordinal, got {device!r}")
         return CudaBackend(device)
     raise ValueError(f"backend: expected 'cuda', 'sim' or None, got {backend!r}")
-
-
-class _RangeSet:
-    """Byte ranges as sorted disjoint intervals, for overlap queries in O(log n)."""
-
-    __slots__ = ("lo", "hi")
-
-    def __init__(self):
-        self.lo: list[int] = []
-        self.hi: list[int] = []
-
-    def clear(self) -> None:
-        self.lo.clear()
-        self.hi.clear()
-
-    def overlaps(self, lo: int, hi: int) -> bool:
-        i = bisect.bisect_right(self.lo, lo)
-        if i and self.hi[i - 1] > lo:
-            return True
-        return i < len(self.lo) and self.lo[i] < hi
-
-    def claim(self, lo: int, hi: int) -> bool:
-        """Insert ``[lo, hi)`` (non-empty) unless it overlaps a range held: one search.
-
-        Returns False, having changed nothing, on an overlap. Merges with the
-        ranges it touches, as :meth:`add` does.
-        """
-        los, his = self.lo, self.hi
-        i = bisect.bisect_right(los, lo)
-        if i and his[i - 1] >= lo:
-            if his[i - 1] > lo:
-                return False
-            # touches the range before it
-            if i < len(los) and los[i] <= hi:
-                if los[i] < hi:
-                    return False
-                his[i - 1] = his[i]  # and the one after: the three become one
-                del los[i], his[i]
-            else:
-                his[i - 1] = hi
-            return True
-        if i < len(los) and los[i] <= hi:
-            if los[i] < hi:
-                return False
-            los[i] = lo  # touches the range after it
-            return True
-        los.insert(i, lo)
-        his.insert(i, hi)
-        return True
-
-    def add(self, lo: int, hi: int) -> None:
-        """Insert, merging with any interval it touches."""
-        i = bisect.bisect_left(self.hi, lo)  # first interval ending at or after lo
-        j = bisect.bisect_right(self.lo, hi)  # past the last starting at or before hi
-        if i < j:
-            lo = min(lo, self.lo[i])
-            hi = max(hi, self.hi[j - 1])
-        self.lo[i:j] = [lo]
-        self.hi[i:j] = [hi]
-
-
-class _Entry:
-    """One staged descriptor's bookkeeping (site, drop callbacks, ranges, check data)."""
-
-    __slots__ = (
-        "site",
-        "on_drop",
-        "lo",
-        "hi",
-        "slo",
-        "shi",
-        "index",
-        "geom",
-        "data",
-        "snap",
-        "ssnap",
-        "value",
-    )
-
-    def __init__(self, site, on_drop, lo, hi, index):
-        self.site = site
-        self.on_drop = on_drop
-        self.lo = lo
-        self.hi = hi
-        self.slo = self.shi = 0
-        self.index = index
-        self.geom = None
-        self.data = None
-        self.snap = None
-        self.ssnap = None
-        self.value = None
 
 
 class DeviceCopier:
@@ -242,18 +150,9 @@ class DeviceCopier:
         self._owner = None
         self._slot = None
         self._checker = None
-        # the open segment
-        self._wide = False  # a destination wider than one block is staged in it
-        self._descs: list = []
-        self._entries: list = []
-        self._writes = _RangeSet()
-        self._reads = _RangeSet()
-        self._exact: dict = {}
-        self._seg = -1
-        self._dcache: dict = {}
-        self._data0 = 0
-        self._reserve = 16
-        self._cursor = 0
+        # the open segment: staging, ordering, encoding (compiled when built)
+        merge_h2d = frozenset(s for s in self._merge if s.direction is _H2D)
+        self._seg = Segment(merge_h2d, self._barriers, self.stats.sites)
         # collected without close(): the ring is set aside, not freed by the collector
         self._finalizer = weakref.finalize(self, orphan, self._ring)
         check.register(self)
@@ -283,12 +182,12 @@ class DeviceCopier:
     @property
     def staged(self) -> int:
         """Copies staged and not yet flushed."""
-        return len(self._entries)
+        return self._seg.staged
 
     def __repr__(self) -> str:
         return (
             f"DeviceCopier({self._backend.describe()}, slots={self._ring.slots}, "
-            f"flush_mode={self.flush_mode!r}, staged={len(self._entries)})"
+            f"flush_mode={self.flush_mode!r}, staged={self._seg.staged})"
         )
 
     # -- lifetime ---------------------------------------------------------------------
@@ -318,7 +217,7 @@ class DeviceCopier:
         if self._closed:
             return
         try:
-            if self._entries:
+            if self._seg.staged:
                 self._flush_segment()
         finally:
             try:
@@ -328,7 +227,8 @@ class DeviceCopier:
                 self._backend.synchronize(self._stream)
             self._closed = True
             self._in_step = False
-            self._dcache.clear()
+            self._seg.fast = False
+            self._seg.forget()
             check.unregister(self)
             if self._finalizer.detach() is not None:
                 self._ring.close()
@@ -359,9 +259,10 @@ class DeviceCopier:
         Anything still staged from the previous step is flushed first.
         """
         self._live()
-        if self._in_step and self._entries:
+        seg = self._seg
+        if self._in_step and seg.staged:
             self.flush()
-        self._in_step = False
+        self._in_step = seg.fast = False
         self._checker = check.Checker(self) if check.CHECK_MODE else None
         self._capturing = self._backend.is_capturing(self._stream)
         if not self._capturing:
@@ -369,9 +270,11 @@ class DeviceCopier:
                 self._advance()
             except BaseException:
                 self._slot = None  # the ring may have replaced it; the next begin() starts afresh
+                seg.unbind()
                 raise
         self._owner = threading.get_ident()
         self._in_step = True
+        seg.fast = not self._capturing and self._checker is None
         self.stats.steps += 1
 
     def _advance(self) -> None:
@@ -380,8 +283,7 @@ class DeviceCopier:
         if waited:
             self.stats.host_waits += 1
         self._slot = slot
-        self._seg = -1
-        self._cursor = 0
+        self._seg.bind(slot)
 
     def flush(self) -> None:
         """Barrier: land everything staged (one upload + one launch per open segment).
@@ -390,13 +292,13 @@ class DeviceCopier:
         """
         self._live()
         if self._backend.is_capturing(self._stream):
-            if self._entries:
+            if self._seg.staged:
                 raise CopyError(
-                    f"{_label(self._entries[0].site)}: capture began on the copier's stream while "
+                    f"{_label(self._seg.entries[0].site)}: capture began on the copier's stream while "
                     "copies were staged; begin the step inside the capture"
                 )
             return
-        if self._entries:
+        if self._seg.staged:
             self._flush_segment()
         elif self._checker is not None:
             self._checker.verify_pending()
@@ -414,9 +316,8 @@ class DeviceCopier:
         """
         if self._in_step and self._owner != _get_ident():
             self._live()
-        entries = self._entries
-        self._reset_segment()
-        self._in_step = False
+        entries = self._seg.reset()
+        self._in_step = self._seg.fast = False
         if self._checker is not None and self._slot is not None:
             # snapshot copies may still be queued: free their buffers when the slot
             # comes round (check mode synchronizes anyway)
@@ -457,7 +358,7 @@ class DeviceCopier:
         try:
             self.flush()
         finally:
-            self._in_step = False
+            self._in_step = self._seg.fast = False
 
     @contextlib.contextmanager
     def activate(self):
@@ -546,28 +447,17 @@ class DeviceCopier:
         TypeError, ValueError, CopyError
             Bad input, naming the site and the offending value; nothing staged is lost.
         """
+        seg = self._seg
         if (
-            self._in_step
+            seg.fast
             and not unchanged
-            and type(src) is np.ndarray
-            and site in self._merge
-            and not self._capturing
-            and self._checker is None
             and self._owner == _get_ident()
             and (on_drop is None or callable(on_drop))
         ):
-            # ent: (weakref, fingerprint fn, fingerprint, form, lo, hi, nbytes, dtype,
-            # size, kind), from _remember
-            ent = self._dcache.get(id(dst))
-            if (
-                ent is not None
-                and ent[0]() is dst
-                and ent[1](dst) == ent[2]
-                and site.direction is _H2D
-                and src.dtype == ent[7]
-                and src.size == ent[8]
-                and self._append_h2d(site, on_drop, ent[3], ent[4], ent[5], ent[6], ent[9], src)
-            ):
+            r = seg.try_h2d(site, dst, src, on_drop)
+            if r:
+                if r == BARRIER:
+                    self._flush_segment()
                 return True
         if self._closed or (self._in_step and self._owner != _get_ident()):
             self._live(site)
@@ -575,7 +465,10 @@ class DeviceCopier:
         d = self._dst(site, dst)
         s = self._src(site, src, direction)
         if direction is _H2D and dst is not d and site in self._merge:
-            self._remember(dst, d)
+            fp = fingerprint_fn(dst)
+            f = _layout.form(d.ptr, d.shape, d.strides, d.dtype.itemsize) if fp else None
+            if f is not None:
+                self._seg.remember(dst, fp, f, d.dtype, d.size)
         if d.dtype != s.dtype:
             raise TypeError(f"{site.label}: dtype mismatch: dst {d.label}, src {s.label}")
         n = d.size
@@ -670,22 +563,16 @@ class DeviceCopier:
         nbytes = rows * width
         lo, hi = ptr, ptr + (rows - 1) * pitch + width  # a form's strides are positive
         kind = pack.KIND_H2D if rows == 1 else pack.KIND_H2D_2D
-        if self._append_h2d(site, on_drop, f, lo, hi, nbytes, kind, s.host):
-            return True
-        e, off = self._stage(
-            site,
-            on_drop,
-            lo,
-            hi,
-            f,
-            nbytes,
-            1,
-            lambda o: (ptr, o, 0, pitch, width, width, rows, kind, 0, 0),
-        )
+        seg = self._seg
+        if seg.append_h2d(site, on_drop, f, lo, hi, nbytes, kind, s.host):
+            if self._checker is None and site not in self._barriers:
+                return True
+            return self._landed_by_barrier(site, seg.entries[-1], None, None)
+        desc = (ptr, 0, 0, pitch, width, width, rows, kind, 0, 0)
+        e, off = self._stage(site, on_drop, lo, hi, f, nbytes, desc, True)
         if e is None:
             return self._eager_h2d(site, d, s, "slot_full")
         _snapshot(self._slot.array, off, s, nbytes)
-        self._cursor = off + nbytes
         return self._landed_by_barrier(site, e, d, None)
 
     def _count_eager(self, site, reason) -> bool:
@@ -703,75 +590,6 @@ class DeviceCopier:
         if site in self._barriers:
             self._flush_segment()
         return True
-
-    def _remember(self, dst, d) -> None:
-        """Cache a merged destination's geometry by identity (revalidated by fingerprint)."""
-        fp = fingerprint_fn(dst)
-        if fp is None:
-            return
-        f = _layout.form(d.ptr, d.shape, d.strides, d.dtype.itemsize)
-        if f is None:
-            return
-        try:  # by weak reference: the cache must not keep a user's device memory alive
-            ref = weakref.ref(dst)
-        except TypeError:
-            return
-        cache = self._dcache
-        if len(cache) >= _DCACHE_MAX:
-            cache.clear()
-        ptr, rows, width, pitch = f
-        kind = pack.KIND_H2D if rows == 1 else pack.KIND_H2D_2D
-        cache[id(dst)] = (
-            ref,
-            fp,
-            fp(dst),
-            f,
-            ptr,
-            ptr + (rows - 1) * pitch + width,
-            rows * width,
-            d.dtype,
-            d.size,
-            kind,
-        )
-
-    def _append_h2d(self, site, on_drop, f, lo, hi, nbytes, kind, host) -> bool:
-        """Stage ``host``'s bytes into the open segment: the common case, kept lean.
-
-        Returns False, having changed nothing, when there is no open segment, the
-        bytes do not fit, they overlap anything staged, or ``host`` is not
-        C-contiguous; the general path then takes the copy.
-        """
-        if self._seg < 0:
-            return False
-        reads = self._reads
-        if reads.lo and reads.overlaps(lo, hi):
-            return False
-        descs = self._descs
-        off = (self._cursor + 15) & -16
-        grow = len(descs) + 2 - self._reserve
-        if off + nbytes + (grow * pack.DESC_BYTES + 16 if grow > 0 else 0) > self._slot.top:
-            return False
-        try:  # a typed memoryview assignment is the cheapest byte copy from Python
-            self._slot.mv[off : off + nbytes] = host.data.cast("B")
-        except (TypeError, ValueError, NotImplementedError, BufferError):
-            return False
-        # bytes written past the cursor change nothing until the cursor moves
-        if not self._writes.claim(lo, hi):
-            return False
-        entries = self._entries
-        ptr, rows, width, pitch = f
-        index = len(descs)
-        descs.append((ptr, off, 0, pitch, width, width, rows, kind, 0, 0))
-        e = _Entry(site, [on_drop] if on_drop is not None else None, lo, hi, index)
-        e.geom = f
-        if hi - lo > pack.BLOCK_BYTES:
-            self._wide = True  # flush cuts it before encoding (pack.split)
-        self._exact[(lo, hi)] = len(entries)
-        entries.append(e)
-        self._cursor = off + nbytes
-        if self._checker is None and site not in self._barriers:
-            return True
-        return self._landed_by_barrier(site, e, None, None)
 
     def _capture_h2d(self, site, d, s) -> bool:
         pinned = s.pinned if s.pinned is not None else self._backend.is_pinned(s.ptr)
@@ -793,7 +611,7 @@ class DeviceCopier:
 
     def _eager_h2d(self, site, d, s, reason) -> bool:
         lo, hi = _layout.extent(d.ptr, d.shape, d.strides, d.dtype.itemsize)
-        if self._entries and (self._writes.overlaps(lo, hi) or self._reads.overlaps(lo, hi)):
+        if self._seg.overlaps(lo, hi):
             self._order_flush()
         nbytes = d.nbytes
         host_ptr, buf, off = self._eager_space(nbytes)
@@ -808,9 +626,8 @@ class DeviceCopier:
     def _eager_space(self, nbytes):
         """Pinned space for an eager snapshot: the slot's top, else a temporary buffer."""
         slot = self._slot
-        top = (slot.top - nbytes) & -pack.ALIGN
-        if top >= max(self._cursor, slot.bottom) + (self._reserve_tail() if self._entries else 0):
-            slot.top = top
+        top = self._seg.take_top(nbytes)
+        if top >= 0:
             return slot.pinned.ptr + top, slot.array, top
         self._ring.note_overflow(nbytes)
         tmp = self._ring.temp_pinned(nbytes)  # kept by the ring: never freed mid-run
@@ -835,15 +652,15 @@ class DeviceCopier:
             return self._eager_d2d(site, d, s, "layout")
         if lo < shi and slo < hi:
             return self._eager_d2d(site, d, s, "overlap")
-        if self._entries and self._writes.overlaps(slo, shi):
+        if self._seg.overlaps(slo, shi, False):
             self._order_flush()  # the source is a staged destination: land it first
         (dptr, rows, width, dpitch), (sptr, _, _, spitch) = pair
         desc = (dptr, sptr, 0, dpitch, spitch, width, rows, pack.KIND_D2D, 0, 0)
-        e, _ = self._stage(site, on_drop, lo, hi, pair[0], 0, 1, lambda o: desc)
+        e, _ = self._stage(site, on_drop, lo, hi, pair[0], 0, desc)
         if e is None:
             return self._eager_d2d(site, d, s, "slot_full")
         e.slo, e.shi = slo, shi
-        self._reads.add(slo, shi)
+        self._seg.add_read(slo, shi)
         return self._landed_by_barrier(site, e, d, s)
 
     def _capture_d2d(self, site, d, s) -> bool:
@@ -861,11 +678,8 @@ class DeviceCopier:
         it = d.dtype.itemsize
         lo, hi = _layout.extent(d.ptr, d.shape, d.strides, it)
         slo, shi = _layout.extent(s.ptr, s.shape, s.strides, it)
-        if self._entries and (
-            self._writes.overlaps(lo, hi)
-            or self._reads.overlaps(lo, hi)
-            or self._writes.overlaps(slo, shi)
-        ):
+        seg = self._seg
+        if seg.overlaps(lo, hi) or seg.overlaps(slo, shi, False):
             self._order_flush()
         pair = _pair(d, s)
         be, stream = self._backend, self._stream
@@ -908,7 +722,7 @@ class DeviceCopier:
         value = int.from_bytes(pattern, "little")
         descs = [(p[0], 0, value, p[3], 0, p[2], p[1], pack.KIND_FILL, it, 0) for p in parts]
         geom = parts[0] if len(parts) == 1 else None
-        e, _ = self._stage(site, on_drop, lo, hi, geom, 0, len(descs), lambda o: descs)
+        e, _ = self._stage(site, on_drop, lo, hi, geom, 0, descs)
         if e is None:
             return self._eager_fill(site, d, start, pattern, "slot_full")
         e.value = (start, pattern)
@@ -939,7 +753,7 @@ class DeviceCopier:
     def _eager_fill(self, site, d, start, pattern, reason) -> bool:
         it = d.dtype.itemsize
         lo, hi = _layout.extent(d.ptr, d.shape, d.strides, it)
-        if self._entries and (self._writes.overlaps(lo, hi) or self._reads.overlaps(lo, hi)):
+        if self._seg.overlaps(lo, hi):
             self._order_flush()
         if it in _FILL_ELEMS:
             self._issue_fill(d, start, pattern)
@@ -964,11 +778,7 @@ class DeviceCopier:
         """An eager copy outside a step, snapshotted through the current slot."""
         nbytes = d.nbytes if fill is None else (d.size - fill[0]) * d.dtype.itemsize
         slot = self._slot
-        if slot is None or (
-            s is not None
-            and s.device is None
-            and slot.top - nbytes < max(slot.bottom, self._cursor)
-        ):
+        if slot is None or (s is not None and s.device is None and not self._seg.room(nbytes)):
             self._advance()
         self._in_step = True
         self._owner = _get_ident()
@@ -988,158 +798,53 @@ class DeviceCopier:
 
     # -- the open segment ---------------------------------------------------------------------
 
-    def _open_segment(self) -> None:
-        slot = self._slot
-        self._seg = pack.align(max(slot.bottom, self._cursor), 256)
-        self._data0 = pack.align(self._seg + pack.HEADER_BYTES + self._reserve * pack.DESC_BYTES)
-        self._cursor = self._data0
-
-    def _reserve_tail(self) -> int:
-        """Bytes the descriptor table may still grow into past the reservation."""
-        extra = len(self._descs) + 2 - self._reserve
-        return extra * pack.DESC_BYTES + pack.ALIGN if extra > 0 else 0
-
-    def _reserve_data(self, nbytes: int, ndesc: int = 1) -> int:
-        """Offset for ``nbytes`` of data in the open segment, or -1 if the slot is full."""
-        if self._seg < 0:
-            self._open_segment()
-        off = pack.align(self._cursor)
-        grow = len(self._descs) + ndesc + 1 - self._reserve
-        need = off + nbytes + (grow * pack.DESC_BYTES + pack.ALIGN if grow > 0 else 0)
-        if need > self._slot.top:
-            # the data is counted where the eager fallback puts its snapshot
-            self._ring.note_overflow(ndesc * pack.DESC_BYTES + pack.ALIGN)
-            return -1
-        return off
-
-    def _stage(self, site, on_drop, lo, hi, geom, nbytes, ndesc, make):
-        """Reserve data space and place descriptor(s) ``make(offset)``.
+    def _stage(self, site, on_drop, lo, hi, geom, nbytes, descs, h2d=False):
+        """Stage descriptor(s) ``descs`` with ``nbytes`` of data, flushing first for order.
 
         Returns ``(entry, offset)``, or ``(None, -1)`` when the slot is full.
         """
+        seg = self._seg
         for _ in range(2):
-            off = self._reserve_data(nbytes, ndesc)
-            if off < 0:
+            r = seg.stage(site, on_drop, lo, hi, geom, nbytes, descs, h2d)
+            if r == ORDER:
+                self._order_flush()
+                continue
+            if r == FULL:
+                # the data is counted where the eager fallback puts its snapshot
+                n = len(descs) if isinstance(descs, list) else 1
+                self._ring.note_overflow(n * pack.DESC_BYTES + pack.ALIGN)
                 return None, -1
-            e = self._place(site, on_drop, lo, hi, geom, make(off))
-            if e is not None:
-                return e, off
+            return r
         raise AssertionError("internal: a fresh segment refused a descriptor")
-
-    def _place(self, site, on_drop, lo, hi, geom, desc):
-        """Append a descriptor (or a list of them) unless ordering forces a flush.
-
-        Returns the entry, or None after flushing the open segment for order
-        (the caller re-reserves and places again into the fresh segment).
-        """
-        w = self._writes
-        if self._entries and (w.overlaps(lo, hi) or self._reads.overlaps(lo, hi)):
-            i = self._exact.get((lo, hi))
-            if (
-                i is not None
-                and geom is not None
-                and not isinstance(desc, list)
-                and self._entries[i].geom == geom
-                and not self._reads.overlaps(lo, hi)
-            ):
-                # the same destination again: the later copy replaces the staged one
-                e = self._entries[i]
-                old = e.index
-                if isinstance(old, int) and self._descs[old][7] != pack.KIND_D2D:
-                    self._descs[old] = desc
-                    if on_drop is not None:
-                        e.on_drop = (e.on_drop or []) + [on_drop]
-                    self.stats.sites[e.site].merged += 1  # the superseded copy
-                    e.site = site  # counted at flush
-                    return e
-            self._order_flush()
-            return None
-        n = len(self._descs)
-        if isinstance(desc, list):
-            self._descs.extend(desc)
-            index = list(range(n, n + len(desc)))
-        else:
-            self._descs.append(desc)
-            index = n
-        e = _Entry(site, [on_drop] if on_drop is not None else None, lo, hi, index)
-        e.geom = geom
-        if hi - lo > pack.BLOCK_BYTES:
-            self._wide = True  # flush cuts it before encoding (pack.split)
-        self._entries.append(e)
-        w.add(lo, hi)
-        self._exact[(lo, hi)] = len(self._entries) - 1
-        return e
 
     def _order_flush(self) -> None:
         self.stats.eager_flushes += 1
         self._flush_segment()
 
-    def _reset_segment(self) -> None:
-        self._wide = False
-        self._descs = []
-        self._entries = []
-        self._writes.clear()
-        self._reads.clear()
-        self._exact.clear()
-        self._seg = -1
-
     def _flush_segment(self) -> None:
         """Issue the open segment: header + descriptors, then one upload and one launch."""
-        entries, descs = self._entries, self._descs
+        seg = self._seg
+        entries = seg.entries
         if not entries:
             return
         slot = self._slot
-        seg, data0, end = self._seg, self._data0, pack.align(self._cursor)
-        shift = 0
         checker = self._checker
         mode = self.flush_mode
         cmax = self._carry_max
         try:
             if checker is not None:
                 checker.before_flush(entries)
-            if self._wide:  # a destination wider than one block was staged: cut first
-                pieces = pack.split(descs)
-                grow = pack.align(seg + pack.HEADER_BYTES + len(pieces) * pack.DESC_BYTES)
-                if end + max(0, grow - data0) <= slot.top:
-                    descs = pieces
-            while True:
-                n = len(descs)
-                need0 = pack.align(seg + pack.HEADER_BYTES + n * pack.DESC_BYTES)
-                # > 0: the table outgrew its reservation, move the data up. < 0: space
-                # reserved for a larger step's table lies between table and data; an
-                # inline launch would carry it, so close the gap (a move of at most the
-                # carry limit); other launches do not carry it, so leave it.
-                move = need0 - data0
-                if move < 0 and not (mode in ("inline", "auto") and end - seg + move <= cmax):
-                    move = 0
-                if move:
-                    slot.array[need0 : end + move] = slot.array[data0:end].copy()
-                    end += move
-                    shift += move
-                    data0 = need0
-                # H2D rows carry slot offsets; the wire format wants segment offsets
-                nblocks = pack.encode(
-                    slot.mv[seg:data0], descs, data0 - seg, end - seg, shift - seg
-                )
-                if nblocks == n:
-                    break
-                # a descriptor spans several blocks: cut it so that block b runs
-                # descriptor b (the carried kernel then searches no table), if the
-                # longer table fits below the slot's eager snapshots
-                pieces = pack.split(descs)
-                grow = pack.align(seg + pack.HEADER_BYTES + len(pieces) * pack.DESC_BYTES)
-                if len(pieces) == n or end + max(0, grow - data0) > slot.top:
-                    break
-                descs = pieces
-            self._reserve = max(self._reserve, n)
+            start, end, nblocks, n = seg.cut(cmax if mode in ("inline", "auto") else -1)
             be = self._backend
             # the header and the table (past the table's end may lie reserved space)
             head = pack.HEADER_BYTES + n * pack.DESC_BYTES
-            total = end - seg
+            total = end - start
             pin = slot.pinned
             if mode in ("inline", "auto") and total <= cmax:
                 # the whole segment travels in the launch: nothing read at run time
-                be.scatter(pin.device_ptr + seg, nblocks, self._stream, True, total, pin.ptr + seg)
+                be.scatter(
+                    pin.device_ptr + start, nblocks, self._stream, True, total, pin.ptr + start
+                )
                 how = "inline"
             elif mode == "mapped" or (
                 mode != "dma"
@@ -1148,24 +853,26 @@ class DeviceCopier:
             ):
                 # the header and the table travel (not the reserved space after it)
                 carry = pack.align(head) if head <= cmax else 0
-                be.scatter(pin.device_ptr + seg, nblocks, self._stream, True, carry, pin.ptr + seg)
+                be.scatter(
+                    pin.device_ptr + start, nblocks, self._stream, True, carry, pin.ptr + start
+                )
                 how = "mapped"
             else:
                 be.copy2d(
                     True,
-                    slot.staging.ptr + seg,
+                    slot.staging.ptr + start,
                     total,
-                    slot.pinned.ptr + seg,
+                    pin.ptr + start,
                     total,
                     total,
                     1,
                     self._stream,
                 )
-                be.scatter(slot.staging.ptr + seg, nblocks, self._stream, False)
+                be.scatter(slot.staging.ptr + start, nblocks, self._stream, False)
                 how = "dma"
         except BaseException as exc:
-            self._reset_segment()
-            self._cursor = end
+            seg.reset()
+            seg.set_cursor(pack.align(seg.cursor))
             slot.dirty = True
             try:
                 self._run_drops(entries)
@@ -1182,16 +889,11 @@ class DeviceCopier:
             # An inline launch took its bytes at enqueue, so it needs no event (one
             # fewer stream operation a step), and the slot may be rewritten at once.
             slot.dirty = True
-        slot.bottom = end
-        self._cursor = end
         st = self.stats
         st.segments += 1
         st.modes[how] += 1
-        st.bytes_staged += end - seg
-        sites = st.sites
-        for e in entries:
-            sites[e.site].merged += 1
-        self._reset_segment()
+        st.bytes_staged += total
+        seg.finish()
 
 
 _active: contextvars.ContextVar = contextvars.ContextVar("cucopy_active_copier", default=None)

@@ -184,7 +184,7 @@ def _spy_launches(c):
     scatter = c._backend.scatter
 
     def spy(segment_ptr, nblocks, stream, mapped, carry=0, host_ptr=0):
-        head = c._slot.array[c._seg : c._seg + pack.HEADER_BYTES].tobytes()
+        head = c._slot.array[c._seg.seg : c._seg.seg + pack.HEADER_BYTES].tobytes()
         header, _ = pack.decode(head)
         seen.append((nblocks, int(header["ndesc"]), int(header["nblocks"])))
         return scatter(segment_ptr, nblocks, stream, mapped, carry, host_ptr)

@@ -501,7 +501,7 @@ def test_a_cached_destination_still_refuses_a_non_callable_on_drop(env):
 
 def test_range_set_claim_matches_a_byte_model():
     # the staging fast path's one-search overlap check and insert, against sets of bytes
-    from cucopy.copier import _RangeSet
+    from cucopy.segment import RangeSet as _RangeSet
 
     rng = np.random.default_rng(7)
     for _ in range(200):

@@ -1,0 +1,534 @@
+"""The open segment: the staging hot path, in pure Python.
+
+A step's merged copies are staged into the current ring slot as one *segment*
+(``header | descriptors | data``, :mod:`cucopy.pack`). This module owns that
+segment while it is open: the bytes staged into the slot, the write and read
+byte ranges that keep program order, the descriptors and their entries (site,
+``on_drop``, ranges), the cut and encode at flush, and the per-site ``merged``
+counters. It knows :mod:`cucopy.pack` and nothing above it: each call answers
+with an outcome (staged, no room, overlaps), and the copier runs barriers,
+fallbacks and ``on_drop``.
+
+``cucopy._segment`` is its compiled twin (same bytes, same descriptors, same
+counters); :data:`Segment` is the compiled class when the extension is built and
+``CUCOPY_PURE_PYTHON`` is not set, else :class:`PySegment`, which stays the
+reference. :data:`IMPLEMENTATION` says which (``"compiled"`` or ``"python"``).
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+import weakref
+
+from numpy import ndarray as _ndarray
+
+from . import pack
+
+__all__ = [
+    "PySegment",
+    "Segment",
+    "IMPLEMENTATION",
+    "MISS",
+    "STAGED",
+    "BARRIER",
+    "FULL",
+    "ORDER",
+    "DCACHE_MAX",
+]
+
+# try_h2d outcomes
+MISS = 0  # not taken: the copier's general path handles the copy
+STAGED = 1  # staged
+BARRIER = 2  # staged through a barrier site (or in check mode): the copier follows up
+# stage outcomes
+FULL = -1  # the slot cannot hold it: run it eagerly
+ORDER = -2  # it overlaps staged work: flush the open segment, then stage again
+
+DCACHE_MAX = 4096
+_KIND_H2D, _KIND_H2D_2D, _KIND_D2D = pack.KIND_H2D, pack.KIND_H2D_2D, pack.KIND_D2D
+_DESC, _HEADER, _ALIGN, _BLOCK = pack.DESC_BYTES, pack.HEADER_BYTES, pack.ALIGN, pack.BLOCK_BYTES
+
+
+class RangeSet:
+    """Byte ranges as sorted disjoint intervals, for overlap queries in O(log n)."""
+
+    __slots__ = ("lo", "hi")
+
+    def __init__(self):
+        self.lo: list[int] = []
+        self.hi: list[int] = []
+
+    def clear(self) -> None:
+        """Forget every range."""
+        self.lo.clear()
+        self.hi.clear()
+
+    def overlaps(self, lo: int, hi: int) -> bool:
+        """Whether ``[lo, hi)`` overlaps a range held."""
+        i = bisect.bisect_right(self.lo, lo)
+        if i and self.hi[i - 1] > lo:
+            return True
+        return i < len(self.lo) and self.lo[i] < hi
+
+    def claim(self, lo: int, hi: int) -> bool:
+        """Insert ``[lo, hi)`` (non-empty) unless it overlaps a range held: one search.
+
+        Returns False, having changed nothing, on an overlap. Merges with the
+        ranges it touches, as :meth:`add` does.
+        """
+        los, his = self.lo, self.hi
+        i = bisect.bisect_right(los, lo)
+        if i and his[i - 1] >= lo:
+            if his[i - 1] > lo:
+                return False
+            # touches the range before it
+            if i < len(los) and los[i] <= hi:
+                if los[i] < hi:
+                    return False
+                his[i - 1] = his[i]  # and the one after: the three become one
+                del los[i], his[i]
+            else:
+                his[i - 1] = hi
+            return True
+        if i < len(los) and los[i] <= hi:
+            if los[i] < hi:
+                return False
+            los[i] = lo  # touches the range after it
+            return True
+        los.insert(i, lo)
+        his.insert(i, hi)
+        return True
+
+    def add(self, lo: int, hi: int) -> None:
+        """Insert, merging with any interval it touches."""
+        i = bisect.bisect_left(self.hi, lo)  # first interval ending at or after lo
+        j = bisect.bisect_right(self.lo, hi)  # past the last starting at or before hi
+        if i < j:
+            lo = min(lo, self.lo[i])
+            hi = max(hi, self.hi[j - 1])
+        self.lo[i:j] = [lo]
+        self.hi[i:j] = [hi]
+
+
+class Entry:
+    """One staged copy's bookkeeping: site, drop callbacks, ranges, check data.
+
+    ``index`` is the copy's descriptor (an int) or descriptors (a list); ``geom``
+    its destination's 2-D form when it has one; ``data``, ``snap``, ``ssnap`` and
+    ``value`` belong to check mode.
+    """
+
+    __slots__ = (
+        "site",
+        "on_drop",
+        "lo",
+        "hi",
+        "slo",
+        "shi",
+        "index",
+        "geom",
+        "data",
+        "snap",
+        "ssnap",
+        "value",
+    )
+
+    def __init__(self, site, on_drop, lo, hi, index):
+        self.site = site
+        self.on_drop = on_drop
+        self.lo = lo
+        self.hi = hi
+        self.slo = self.shi = 0
+        self.index = index
+        self.geom = None
+        self.data = None
+        self.snap = None
+        self.ssnap = None
+        self.value = None
+
+
+class PySegment:
+    """The open segment of one copier (pure Python; the reference implementation).
+
+    Parameters
+    ----------
+    merge : frozenset
+        The plan's merged H2D sites (the only ones :meth:`try_h2d` takes).
+    barriers : frozenset
+        The plan's ``flush_after`` sites.
+    sites : mapping
+        ``site -> SiteStats`` (a ``defaultdict``): the flush counts each landed
+        copy in its site's ``merged``.
+    """
+
+    __slots__ = (
+        "merge",
+        "barriers",
+        "sites",
+        "fast",
+        "slot",
+        "mv",
+        "top",
+        "bottom",
+        "cursor",
+        "seg",
+        "data0",
+        "reserve",
+        "wide",
+        "descs",
+        "entries",
+        "writes",
+        "reads",
+        "exact",
+        "dcache",
+    )
+
+    def __init__(self, merge, barriers, sites):
+        self.merge = merge
+        self.barriers = barriers
+        self.sites = sites
+        self.fast = False  # set by the copier: a step is open, not capturing, no checker
+        self.slot = None
+        self.mv = None
+        self.top = self.bottom = self.cursor = 0
+        self.seg = -1
+        self.data0 = 0
+        self.reserve = 16
+        self.wide = False  # a destination wider than one block is staged
+        self.descs: list = []
+        self.entries: list = []
+        self.writes = RangeSet()
+        self.reads = RangeSet()
+        self.exact: dict = {}
+        self.dcache: dict = {}
+
+    # -- the slot ------------------------------------------------------------------------
+
+    def bind(self, slot) -> None:
+        """Start staging into ``slot`` (fresh from the ring: nothing staged)."""
+        self.slot = slot
+        self.mv = slot.mv
+        self.top = slot.top
+        self.bottom = slot.bottom
+        self.cursor = 0
+        self.seg = -1
+
+    def unbind(self) -> None:
+        """Forget the slot (the ring may replace it); nothing may be staged."""
+        self.slot = self.mv = None
+        self.seg = -1
+        self.cursor = 0
+
+    def set_cursor(self, end: int) -> None:
+        """Move the segment cursor to ``end`` (after a failed flush: the bytes stay used)."""
+        self.cursor = end
+
+    def room(self, nbytes: int) -> bool:
+        """Whether an eager snapshot of ``nbytes`` fits below the slot's top."""
+        return self.top - nbytes >= max(self.bottom, self.cursor)
+
+    def take_top(self, nbytes: int) -> int:
+        """Space for an eager snapshot at the slot's top: its offset, or -1 when full."""
+        top = (self.top - nbytes) & -_ALIGN
+        tail = self._reserve_tail() if self.entries else 0
+        if top >= max(self.cursor, self.bottom) + tail:
+            self.top = self.slot.top = top
+            return top
+        return -1
+
+    # -- destinations --------------------------------------------------------------------
+
+    def remember(self, dst, fp, f, dtype, size) -> None:
+        """Cache a merged destination's geometry by identity (revalidated by ``fp(dst)``).
+
+        Parameters
+        ----------
+        dst : array
+            The destination (held by weak reference).
+        fp : callable
+            Returns a value that changes whenever ``dst``'s geometry may have.
+        f : tuple
+            ``(ptr, rows, width, pitch)``, its 2-D form.
+        dtype : numpy.dtype
+        size : int
+            Elements.
+        """
+        try:  # by weak reference: the cache must not keep a user's device memory alive
+            ref = weakref.ref(dst)
+        except TypeError:
+            return
+        cache = self.dcache
+        if len(cache) >= DCACHE_MAX:
+            cache.clear()
+        ptr, rows, width, pitch = f
+        kind = _KIND_H2D if rows == 1 else _KIND_H2D_2D
+        cache[id(dst)] = (
+            ref,
+            fp,
+            fp(dst),
+            f,
+            ptr,
+            ptr + (rows - 1) * pitch + width,
+            rows * width,
+            dtype,
+            size,
+            kind,
+        )
+
+    def forget(self) -> None:
+        """Clear the destination cache."""
+        self.dcache.clear()
+
+    # -- staging -------------------------------------------------------------------------
+
+    def try_h2d(self, site, dst, src, on_drop) -> int:
+        """Stage an H2D copy on the fast path, or say :data:`MISS`.
+
+        Taken only for a merged site, a cached destination, and a C-contiguous
+        host source of the same dtype and size, staged into the open segment with
+        room and no overlap; anything else (and any bad input) is left to the
+        copier's general path. ``fast`` must be set.
+
+        Returns
+        -------
+        int
+            :data:`STAGED`, :data:`BARRIER` (staged; the site is a barrier) or :data:`MISS`.
+        """
+        if type(src) is not _ndarray or site not in self.merge:
+            return MISS
+        ent = self.dcache.get(id(dst))
+        if (
+            ent is None
+            or ent[0]() is not dst
+            or ent[1](dst) != ent[2]
+            or src.dtype != ent[7]
+            or src.size != ent[8]
+        ):
+            return MISS
+        if self.append_h2d(site, on_drop, ent[3], ent[4], ent[5], ent[6], ent[9], src):
+            return BARRIER if site in self.barriers else STAGED
+        return MISS
+
+    def append_h2d(self, site, on_drop, f, lo, hi, nbytes, kind, host) -> bool:
+        """Stage ``host``'s bytes into the open segment: the common case, kept lean.
+
+        Returns False, having changed nothing, when there is no open segment, the
+        bytes do not fit, they overlap anything staged, or ``host`` is not
+        C-contiguous; the general path then takes the copy.
+        """
+        if self.seg < 0:
+            return False
+        reads = self.reads
+        if reads.lo and reads.overlaps(lo, hi):
+            return False
+        descs = self.descs
+        off = (self.cursor + 15) & -16
+        grow = len(descs) + 2 - self.reserve
+        if off + nbytes + (grow * _DESC + 16 if grow > 0 else 0) > self.top:
+            return False
+        try:  # a typed memoryview assignment is the cheapest byte copy from Python
+            self.mv[off : off + nbytes] = host.data.cast("B")
+        except (TypeError, ValueError, NotImplementedError, BufferError):
+            return False
+        # bytes written past the cursor change nothing until the cursor moves
+        if not self.writes.claim(lo, hi):
+            return False
+        entries = self.entries
+        ptr, rows, width, pitch = f
+        index = len(descs)
+        descs.append((ptr, off, 0, pitch, width, width, rows, kind, 0, 0))
+        e = Entry(site, [on_drop] if on_drop is not None else None, lo, hi, index)
+        e.geom = f
+        if hi - lo > _BLOCK:
+            self.wide = True  # the flush cuts it before encoding (pack.split)
+        self.exact[(lo, hi)] = len(entries)
+        entries.append(e)
+        self.cursor = off + nbytes
+        return True
+
+    def _open(self) -> None:
+        self.seg = pack.align(max(self.bottom, self.cursor), 256)
+        self.data0 = pack.align(self.seg + _HEADER + self.reserve * _DESC)
+        self.cursor = self.data0
+
+    def _reserve_tail(self) -> int:
+        """Bytes the descriptor table may still grow into past the reservation."""
+        extra = len(self.descs) + 2 - self.reserve
+        return extra * _DESC + _ALIGN if extra > 0 else 0
+
+    def stage(self, site, on_drop, lo, hi, geom, nbytes, descs, h2d=False):
+        """Reserve ``nbytes`` of data and place ``descs`` (a tuple, or a list of them).
+
+        With ``h2d`` the descriptor's ``src`` field is set to the data's offset.
+
+        Returns
+        -------
+        (Entry, int) or int
+            The entry and the data's offset; :data:`FULL` when the slot cannot
+            hold it; :data:`ORDER` when it overlaps staged work (flush, then
+            stage again).
+        """
+        if self.seg < 0:
+            self._open()
+        n = len(descs) if isinstance(descs, list) else 1
+        off = pack.align(self.cursor)
+        grow = len(self.descs) + n + 1 - self.reserve
+        if off + nbytes + (grow * _DESC + _ALIGN if grow > 0 else 0) > self.top:
+            return FULL
+        if h2d:
+            d = descs
+            descs = (d[0], off) + d[2:]
+        e = self._place(site, on_drop, lo, hi, geom, descs)
+        if e is None:
+            return ORDER
+        if nbytes:
+            self.cursor = off + nbytes
+        return e, off
+
+    def _place(self, site, on_drop, lo, hi, geom, desc):
+        """Append a descriptor (or a list of them); None if it overlaps staged work."""
+        w = self.writes
+        if self.entries and (w.overlaps(lo, hi) or self.reads.overlaps(lo, hi)):
+            i = self.exact.get((lo, hi))
+            if (
+                i is not None
+                and geom is not None
+                and not isinstance(desc, list)
+                and self.entries[i].geom == geom
+                and not self.reads.overlaps(lo, hi)
+            ):
+                # the same destination again: the later copy replaces the staged one
+                e = self.entries[i]
+                old = e.index
+                if isinstance(old, int) and self.descs[old][7] != _KIND_D2D:
+                    self.descs[old] = desc
+                    if on_drop is not None:
+                        e.on_drop = (e.on_drop or []) + [on_drop]
+                    self.sites[e.site].merged += 1  # the superseded copy
+                    e.site = site  # counted at flush
+                    return e
+            return None
+        n = len(self.descs)
+        if isinstance(desc, list):
+            self.descs.extend(desc)
+            index = list(range(n, n + len(desc)))
+        else:
+            self.descs.append(desc)
+            index = n
+        e = Entry(site, [on_drop] if on_drop is not None else None, lo, hi, index)
+        e.geom = geom
+        if hi - lo > _BLOCK:
+            self.wide = True
+        self.entries.append(e)
+        w.add(lo, hi)
+        self.exact[(lo, hi)] = len(self.entries) - 1
+        return e
+
+    def add_read(self, lo: int, hi: int) -> None:
+        """Record a staged D2D copy's source range."""
+        self.reads.add(lo, hi)
+
+    def overlaps(self, lo: int, hi: int, reads: bool = True) -> bool:
+        """Whether ``[lo, hi)`` overlaps a staged destination (or, with ``reads``, source)."""
+        if not self.entries:
+            return False
+        return self.writes.overlaps(lo, hi) or (reads and self.reads.overlaps(lo, hi))
+
+    def desc(self, i: int) -> tuple:
+        """Descriptor ``i`` of the open segment, in :data:`pack.DESC_DTYPE` field order."""
+        return self.descs[i]
+
+    @property
+    def staged(self) -> int:
+        """Copies staged in the open segment."""
+        return len(self.entries)
+
+    # -- cut, encode, finish ---------------------------------------------------------------
+
+    def cut(self, inline_max: int) -> tuple:
+        """Encode the open segment's header and descriptors into the slot.
+
+        Wide descriptors are cut (:func:`pack.split`) when the longer table fits,
+        and the data moves when the table outgrew its reservation, or, for a
+        segment an inline launch may carry whole (``<= inline_max`` bytes), to
+        close the gap a larger reservation left.
+
+        Returns
+        -------
+        tuple
+            ``(seg, end, nblocks, ndesc)``: the segment's slot offset and end, the
+            launch's block count and the descriptor count.
+        """
+        slot = self.slot
+        descs = self.descs
+        seg, data0, end = self.seg, self.data0, pack.align(self.cursor)
+        shift = 0
+        top = self.top
+        if self.wide:  # a destination wider than one block was staged: cut first
+            pieces = pack.split(descs)
+            grow = pack.align(seg + _HEADER + len(pieces) * _DESC)
+            if end + max(0, grow - data0) <= top:
+                descs = pieces
+        while True:
+            n = len(descs)
+            need0 = pack.align(seg + _HEADER + n * _DESC)
+            # > 0: the table outgrew its reservation, move the data up. < 0: space
+            # reserved for a larger step's table lies between table and data; an
+            # inline launch would carry it, so close the gap (a move of at most the
+            # carry limit); other launches do not carry it, so leave it.
+            move = need0 - data0
+            if move < 0 and not (end - seg + move <= inline_max):
+                move = 0
+            if move:
+                slot.array[need0 : end + move] = slot.array[data0:end].copy()
+                end += move
+                shift += move
+                data0 = need0
+            # H2D rows carry slot offsets; the wire format wants segment offsets
+            nblocks = pack.encode(self.mv[seg:data0], descs, data0 - seg, end - seg, shift - seg)
+            if nblocks == n:
+                break
+            # a descriptor spans several blocks: cut it so that block b runs
+            # descriptor b (the carried kernel then searches no table), if the
+            # longer table fits below the slot's eager snapshots
+            pieces = pack.split(descs)
+            grow = pack.align(seg + _HEADER + len(pieces) * _DESC)
+            if len(pieces) == n or end + max(0, grow - data0) > top:
+                break
+            descs = pieces
+        self.reserve = max(self.reserve, n)
+        self.cursor = end
+        return seg, end, nblocks, n
+
+    def finish(self) -> None:
+        """The cut segment was launched: count its copies, close it."""
+        end = self.cursor
+        self.bottom = self.slot.bottom = end
+        sites = self.sites
+        for e in self.entries:
+            sites[e.site].merged += 1
+        self.reset()
+
+    def reset(self) -> list:
+        """Close the open segment without landing it; returns its entries (for ``on_drop``)."""
+        entries = self.entries
+        self.wide = False
+        self.descs = []
+        self.entries = []
+        self.writes.clear()
+        self.reads.clear()
+        self.exact.clear()
+        self.seg = -1
+        return entries
+
+
+IMPLEMENTATION = "python"
+Segment = PySegment
+if not os.environ.get("CUCOPY_PURE_PYTHON"):
+    try:
+        from ._segment import Segment  # noqa: F811
+
+        IMPLEMENTATION = "compiled"
+    except ImportError:
+        pass
