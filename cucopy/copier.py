@@ -469,6 +469,10 @@ class DeviceCopier:
             f = _layout.form(d.ptr, d.shape, d.strides, d.dtype.itemsize) if fp else None
             if f is not None:
                 self._seg.remember(dst, fp, f, d.dtype, d.size)
+            if type(src) is not np.ndarray and s.host is not None and src is not s:
+                fp = fingerprint_fn(src)  # a torch CPU tensor: its bytes found by identity
+                if fp is not None:
+                    self._seg.remember_src(src, fp, s.host, s.dtype)
         if d.dtype != s.dtype:
             raise TypeError(f"{site.label}: dtype mismatch: dst {d.label}, src {s.label}")
         n = d.size

@@ -182,6 +182,7 @@ class PySegment:
         "reads",
         "exact",
         "dcache",
+        "scache",
     )
 
     def __init__(self, merge, barriers, sites):
@@ -202,6 +203,7 @@ class PySegment:
         self.reads = RangeSet()
         self.exact: dict = {}
         self.dcache: dict = {}
+        self.scache: dict = {}
 
     # -- the slot ------------------------------------------------------------------------
 
@@ -276,9 +278,34 @@ class PySegment:
             kind,
         )
 
+    def remember_src(self, src, fp, host, dtype) -> None:
+        """Cache a host source that is not a NumPy array (a torch CPU tensor) by identity.
+
+        Parameters
+        ----------
+        src : array
+            The source (held by weak reference).
+        fp : callable
+            As for :meth:`remember`.
+        host : numpy.ndarray
+            A view of ``src``'s bytes; only a C-contiguous one is cached.
+        dtype : numpy.dtype
+        """
+        if not host.flags.c_contiguous:
+            return
+        try:
+            ref = weakref.ref(src)
+        except TypeError:
+            return
+        cache = self.scache
+        if len(cache) >= DCACHE_MAX:
+            cache.clear()
+        cache[id(src)] = (ref, fp, fp(src), host, dtype)
+
     def forget(self) -> None:
-        """Clear the destination cache."""
+        """Clear the destination and source caches."""
         self.dcache.clear()
+        self.scache.clear()
 
     # -- staging -------------------------------------------------------------------------
 
@@ -295,16 +322,20 @@ class PySegment:
         int
             :data:`STAGED`, :data:`BARRIER` (staged; the site is a barrier) or :data:`MISS`.
         """
-        if type(src) is not _ndarray or site not in self.merge:
+        if site not in self.merge:
             return MISS
         ent = self.dcache.get(id(dst))
-        if (
-            ent is None
-            or ent[0]() is not dst
-            or ent[1](dst) != ent[2]
-            or src.dtype != ent[7]
-            or src.size != ent[8]
-        ):
+        if ent is None or ent[0]() is not dst or ent[1](dst) != ent[2]:
+            return MISS
+        if type(src) is not _ndarray:
+            # a source seen before (a torch CPU tensor), still what it was
+            s = self.scache.get(id(src))
+            if s is None or s[0]() is not src or s[1](src) != s[2]:
+                return MISS
+            dtype, src = s[4], s[3]
+        else:
+            dtype = src.dtype
+        if dtype != ent[7] or src.size != ent[8]:
             return MISS
         if self.append_h2d(site, on_drop, ent[3], ent[4], ent[5], ent[6], ent[9], src):
             return BARRIER if site in self.barriers else STAGED

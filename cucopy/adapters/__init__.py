@@ -248,6 +248,9 @@ def _immutable(x):
     return None
 
 
+_immutable.__cucopy_spec__ = ()  # nothing to read: the geometry never changes
+
+
 def fingerprint_fn(x):
     """A cheap ``f(x)`` whose value changes whenever ``x``'s geometry may have.
 

@@ -215,7 +215,17 @@ def current_stream(x):
 def fingerprint(x):
     """What must be unchanged for a cached description of ``x`` to hold.
 
-    ``resize_``, ``set_`` and ``as_strided_`` change a tensor's geometry in place;
-    each changes one of these.
+    ``resize_``, ``set_`` and ``as_strided_`` change a tensor's geometry in place,
+    and ``.data =`` may swap in a tensor of another dtype; each changes one of these.
     """
-    return (x.data_ptr(), x.shape, x.stride())
+    return (x.data_ptr(), x.shape, x.stride(), x.dtype)
+
+
+# The same, as attributes to read (name, whether to call it): the compiled segment
+# evaluates them directly instead of calling this function.
+fingerprint.__cucopy_spec__ = (
+    ("data_ptr", True),
+    ("shape", False),
+    ("stride", True),
+    ("dtype", False),
+)

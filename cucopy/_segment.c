@@ -1,0 +1,1194 @@
+/* The open segment, compiled: the twin of cucopy/segment.py (PySegment).
+ *
+ * Same bytes, same descriptors, same counters as the pure-Python reference;
+ * the whole test suite runs on both (CUCOPY_PURE_PYTHON=1 selects the
+ * reference). Where the two differ it is only in which copies the fast path
+ * takes (try_h2d): this one also takes torch CPU tensors and other sources it
+ * has seen before, validated by their fingerprint. Everything the fast path
+ * does not take goes to the copier's general path, which calls the same
+ * methods here (stage, append_h2d, cut, finish).
+ *
+ * The wire format is cucopy/pack.py's (header "<IHHIIIIQ", descriptor
+ * "<QQQIIIIHHI"); tests/test_segment.py compares the encoded bytes of both
+ * twins on random programs.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <structmember.h>
+#include <stdint.h>
+#include <string.h>
+
+#define HEADER_BYTES 32
+#define DESC_BYTES 48
+#define ALIGN 16
+#define MAGIC 0x59504343u
+#define VERSION 1
+#define KIND_H2D 1
+#define KIND_H2D_2D 2
+#define KIND_D2D 3
+#define KIND_FILL 4
+#define WINDOWS_PER_BLOCK 256
+#define BLOCK_BYTES (WINDOWS_PER_BLOCK * 16)
+#define DCACHE_MAX 4096
+
+enum { MISS = 0, STAGED = 1, BARRIER = 2, FULL = -1, ORDER = -2 };
+
+static PyObject *ndarray_type; /* numpy.ndarray */
+static PyObject *s_dtype, *s_spec, *s_merged;
+
+static inline int64_t align_up(int64_t n, int64_t a) { return (n + a - 1) & -a; }
+
+/* -- descriptors ---------------------------------------------------------------- */
+
+typedef struct {
+    uint64_t dst, src, value;
+    int64_t dpitch, spitch, width, rows, kind, elem;
+} Desc;
+
+typedef struct {
+    Desc *v;
+    Py_ssize_t n, cap;
+} DescVec;
+
+static int descs_reserve(DescVec *d, Py_ssize_t n) {
+    if (n <= d->cap) return 0;
+    Py_ssize_t cap = d->cap ? d->cap : 64;
+    while (cap < n) cap *= 2;
+    Desc *v = PyMem_Realloc(d->v, cap * sizeof(Desc));
+    if (!v) { PyErr_NoMemory(); return -1; }
+    d->v = v;
+    d->cap = cap;
+    return 0;
+}
+
+static int descs_push(DescVec *d, const Desc *x) {
+    if (d->n == d->cap && descs_reserve(d, d->n + 1) < 0) return -1;
+    d->v[d->n++] = *x;
+    return 0;
+}
+
+static int parse_desc(PyObject *t, Desc *d) {
+    if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) < 9) {
+        PyErr_SetString(PyExc_TypeError, "internal: a descriptor is a tuple of 10 ints");
+        return -1;
+    }
+    uint64_t u[3];
+    int64_t s[6];
+    for (int i = 0; i < 3; i++) {
+        u[i] = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(t, i));
+        if (u[i] == (uint64_t)-1 && PyErr_Occurred()) return -1;
+    }
+    for (int i = 0; i < 6; i++) {
+        s[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(t, 3 + i));
+        if (s[i] == -1 && PyErr_Occurred()) return -1;
+    }
+    d->dst = u[0]; d->src = u[1]; d->value = u[2];
+    d->dpitch = s[0]; d->spitch = s[1]; d->width = s[2]; d->rows = s[3];
+    d->kind = s[4]; d->elem = s[5];
+    return 0;
+}
+
+static PyObject *desc_tuple(const Desc *d) {
+    return Py_BuildValue("(KKKLLLLLLi)", (unsigned long long)d->dst,
+                         (unsigned long long)d->src, (unsigned long long)d->value,
+                         (long long)d->dpitch, (long long)d->spitch, (long long)d->width,
+                         (long long)d->rows, (long long)d->kind, (long long)d->elem, 0);
+}
+
+/* -- range sets (sorted, disjoint, touching ranges merged) -------------------- */
+
+typedef uint64_t addr_t; /* device addresses: the sim's may pass 2**63 */
+
+typedef struct {
+    addr_t *lo, *hi;
+    Py_ssize_t n, cap;
+} Ranges;
+
+static Py_ssize_t bisect_right(const addr_t *a, Py_ssize_t n, addr_t x) {
+    Py_ssize_t l = 0, h = n;
+    while (l < h) {
+        Py_ssize_t m = (l + h) >> 1;
+        if (x < a[m]) h = m; else l = m + 1;
+    }
+    return l;
+}
+
+static Py_ssize_t bisect_left(const addr_t *a, Py_ssize_t n, addr_t x) {
+    Py_ssize_t l = 0, h = n;
+    while (l < h) {
+        Py_ssize_t m = (l + h) >> 1;
+        if (a[m] < x) l = m + 1; else h = m;
+    }
+    return l;
+}
+
+static int ranges_grow(Ranges *r) {
+    if (r->n < r->cap) return 0;
+    Py_ssize_t cap = r->cap ? r->cap * 2 : 64;
+    addr_t *lo = PyMem_Realloc(r->lo, cap * sizeof(addr_t));
+    if (!lo) { PyErr_NoMemory(); return -1; }
+    r->lo = lo;
+    addr_t *hi = PyMem_Realloc(r->hi, cap * sizeof(addr_t));
+    if (!hi) { PyErr_NoMemory(); return -1; }
+    r->hi = hi;
+    r->cap = cap;
+    return 0;
+}
+
+static int ranges_overlaps(const Ranges *r, addr_t lo, addr_t hi) {
+    Py_ssize_t i = bisect_right(r->lo, r->n, lo);
+    if (i && r->hi[i - 1] > lo) return 1;
+    return i < r->n && r->lo[i] < hi;
+}
+
+static void ranges_insert(Ranges *r, Py_ssize_t i, addr_t lo, addr_t hi) {
+    memmove(r->lo + i + 1, r->lo + i, (r->n - i) * sizeof(addr_t));
+    memmove(r->hi + i + 1, r->hi + i, (r->n - i) * sizeof(addr_t));
+    r->lo[i] = lo;
+    r->hi[i] = hi;
+    r->n++;
+}
+
+static void ranges_delete(Ranges *r, Py_ssize_t i, Py_ssize_t j) { /* drop [i, j) */
+    memmove(r->lo + i, r->lo + j, (r->n - j) * sizeof(addr_t));
+    memmove(r->hi + i, r->hi + j, (r->n - j) * sizeof(addr_t));
+    r->n -= j - i;
+}
+
+/* 1 claimed, 0 overlaps (nothing changed), -1 error */
+static int ranges_claim(Ranges *r, addr_t lo, addr_t hi) {
+    addr_t *los = r->lo, *his = r->hi;
+    Py_ssize_t n = r->n, i = bisect_right(los, n, lo);
+    if (i && his[i - 1] >= lo) {
+        if (his[i - 1] > lo) return 0;
+        if (i < n && los[i] <= hi) {
+            if (los[i] < hi) return 0;
+            his[i - 1] = his[i];
+            ranges_delete(r, i, i + 1);
+        } else {
+            his[i - 1] = hi;
+        }
+        return 1;
+    }
+    if (i < n && los[i] <= hi) {
+        if (los[i] < hi) return 0;
+        los[i] = lo;
+        return 1;
+    }
+    if (ranges_grow(r) < 0) return -1;
+    ranges_insert(r, i, lo, hi);
+    return 1;
+}
+
+static int ranges_add(Ranges *r, addr_t lo, addr_t hi) {
+    Py_ssize_t i = bisect_left(r->hi, r->n, lo);
+    Py_ssize_t j = bisect_right(r->lo, r->n, hi);
+    if (i < j) {
+        if (r->lo[i] < lo) lo = r->lo[i];
+        if (r->hi[j - 1] > hi) hi = r->hi[j - 1];
+        r->lo[i] = lo;
+        r->hi[i] = hi;
+        ranges_delete(r, i + 1, j);
+        return 0;
+    }
+    if (ranges_grow(r) < 0) return -1;
+    ranges_insert(r, i, lo, hi);
+    return 0;
+}
+
+/* -- Entry ------------------------------------------------------------------------ */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *site, *on_drop, *index, *geom, *data, *snap, *ssnap, *value;
+    unsigned long long lo, hi, slo, shi;
+} Entry;
+
+static PyTypeObject EntryType;
+
+static int entry_traverse(Entry *e, visitproc visit, void *arg) {
+    Py_VISIT(e->site); Py_VISIT(e->on_drop); Py_VISIT(e->index); Py_VISIT(e->geom);
+    Py_VISIT(e->data); Py_VISIT(e->snap); Py_VISIT(e->ssnap); Py_VISIT(e->value);
+    return 0;
+}
+
+static int entry_clear(Entry *e) {
+    Py_CLEAR(e->site); Py_CLEAR(e->on_drop); Py_CLEAR(e->index); Py_CLEAR(e->geom);
+    Py_CLEAR(e->data); Py_CLEAR(e->snap); Py_CLEAR(e->ssnap); Py_CLEAR(e->value);
+    return 0;
+}
+
+static void entry_dealloc(Entry *e) {
+    PyObject_GC_UnTrack(e);
+    entry_clear(e);
+    Py_TYPE(e)->tp_free((PyObject *)e);
+}
+
+/* site, on_drop (a callable or None: wrapped in a list), lo, hi, index (stolen) */
+static Entry *entry_new(PyObject *site, PyObject *on_drop, addr_t lo, addr_t hi,
+                        PyObject *index) {
+    Entry *e = PyObject_GC_New(Entry, &EntryType);
+    if (!e) { Py_DECREF(index); return NULL; }
+    Py_INCREF(site);
+    e->site = site;
+    if (on_drop != Py_None && on_drop != NULL) {
+        e->on_drop = PyList_New(1);
+        if (!e->on_drop) { e->index = index; e->geom = e->data = e->snap = e->ssnap = e->value = NULL;
+            Py_DECREF(e); return NULL; }
+        Py_INCREF(on_drop);
+        PyList_SET_ITEM(e->on_drop, 0, on_drop);
+    } else {
+        e->on_drop = Py_NewRef(Py_None);
+    }
+    e->index = index;
+    e->geom = Py_NewRef(Py_None);
+    e->data = Py_NewRef(Py_None);
+    e->snap = Py_NewRef(Py_None);
+    e->ssnap = Py_NewRef(Py_None);
+    e->value = Py_NewRef(Py_None);
+    e->lo = lo; e->hi = hi; e->slo = e->shi = 0;
+    PyObject_GC_Track(e);
+    return e;
+}
+
+static PyMemberDef entry_members[] = {
+    {"site", T_OBJECT, offsetof(Entry, site), 0, NULL},
+    {"on_drop", T_OBJECT, offsetof(Entry, on_drop), 0, NULL},
+    {"index", T_OBJECT, offsetof(Entry, index), 0, NULL},
+    {"geom", T_OBJECT, offsetof(Entry, geom), 0, NULL},
+    {"data", T_OBJECT, offsetof(Entry, data), 0, NULL},
+    {"snap", T_OBJECT, offsetof(Entry, snap), 0, NULL},
+    {"ssnap", T_OBJECT, offsetof(Entry, ssnap), 0, NULL},
+    {"value", T_OBJECT, offsetof(Entry, value), 0, NULL},
+    {"lo", T_ULONGLONG, offsetof(Entry, lo), 0, NULL},
+    {"hi", T_ULONGLONG, offsetof(Entry, hi), 0, NULL},
+    {"slo", T_ULONGLONG, offsetof(Entry, slo), 0, NULL},
+    {"shi", T_ULONGLONG, offsetof(Entry, shi), 0, NULL},
+    {NULL},
+};
+
+static PyTypeObject EntryType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "cucopy._segment.Entry",
+    .tp_basicsize = sizeof(Entry),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "One staged copy's bookkeeping: site, drop callbacks, ranges, check data.",
+    .tp_traverse = (traverseproc)entry_traverse,
+    .tp_clear = (inquiry)entry_clear,
+    .tp_dealloc = (destructor)entry_dealloc,
+    .tp_members = entry_members,
+};
+
+/* -- cached geometry (destinations and sources), validated by fingerprint ------ */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *ref;    /* weakref to the array */
+    PyObject *fp;     /* fingerprint function (used when spec is NULL) */
+    PyObject *spec;   /* tuple of (name, call) pairs, or NULL */
+    PyObject *fpval;  /* fp(x), or the tuple of the spec's values */
+    PyObject *dtype;
+    PyObject *geom;   /* destinations: (ptr, rows, width, pitch) */
+    addr_t ptr, lo, hi;
+    int64_t rows, width, pitch, nbytes;
+    int kind;
+} Cached;
+
+static void cached_dealloc(Cached *c) {
+    Py_XDECREF(c->ref); Py_XDECREF(c->fp); Py_XDECREF(c->spec); Py_XDECREF(c->fpval);
+    Py_XDECREF(c->dtype); Py_XDECREF(c->geom);
+    Py_TYPE(c)->tp_free((PyObject *)c);
+}
+
+static PyTypeObject CachedType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "cucopy._segment._Cached",
+    .tp_basicsize = sizeof(Cached),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_dealloc = (destructor)cached_dealloc,
+};
+
+/* the fingerprint values of x under spec: a new tuple */
+static PyObject *spec_values(PyObject *spec, PyObject *x) {
+    Py_ssize_t n = PyTuple_GET_SIZE(spec);
+    PyObject *out = PyTuple_New(n);
+    if (!out) return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = PyTuple_GET_ITEM(spec, i);
+        PyObject *name = PyTuple_GET_ITEM(item, 0);
+        PyObject *v = PyTuple_GET_ITEM(item, 1) == Py_True
+                          ? PyObject_CallMethodNoArgs(x, name)
+                          : PyObject_GetAttr(x, name);
+        if (!v) { Py_DECREF(out); return NULL; }
+        PyTuple_SET_ITEM(out, i, v);
+    }
+    return out;
+}
+
+/* 1 when x's fingerprint still matches, 0 when not, -1 on error (cleared: a miss) */
+static int cached_valid(Cached *c, PyObject *x) {
+#if PY_VERSION_HEX >= 0x030D0000
+    PyObject *obj;
+    if (PyWeakref_GetRef(c->ref, &obj) < 0) { PyErr_Clear(); return 0; }
+    Py_XDECREF(obj); /* x holds it alive: only its identity matters */
+    if (obj != x) return 0;
+#else
+    if (PyWeakref_GET_OBJECT(c->ref) != x) return 0;
+#endif
+    if (c->spec) {
+        Py_ssize_t n = PyTuple_GET_SIZE(c->spec);
+        for (Py_ssize_t i = 0; i < n; i++) {
+            PyObject *item = PyTuple_GET_ITEM(c->spec, i);
+            PyObject *name = PyTuple_GET_ITEM(item, 0);
+            PyObject *v = PyTuple_GET_ITEM(item, 1) == Py_True
+                              ? PyObject_CallMethodNoArgs(x, name)
+                              : PyObject_GetAttr(x, name);
+            if (!v) { PyErr_Clear(); return 0; }
+            PyObject *want = PyTuple_GET_ITEM(c->fpval, i);
+            int eq = v == want ? 1 : PyObject_RichCompareBool(v, want, Py_EQ);
+            Py_DECREF(v);
+            if (eq != 1) { if (eq < 0) PyErr_Clear(); return 0; }
+        }
+        return 1;
+    }
+    PyObject *v = PyObject_CallOneArg(c->fp, x);
+    if (!v) { PyErr_Clear(); return 0; }
+    int eq = PyObject_RichCompareBool(v, c->fpval, Py_EQ);
+    Py_DECREF(v);
+    if (eq < 0) { PyErr_Clear(); return 0; }
+    return eq;
+}
+
+static Cached *cached_new(PyObject *x, PyObject *fp, PyObject *dtype) {
+    PyObject *ref = PyWeakref_NewRef(x, NULL);
+    if (!ref) { PyErr_Clear(); return NULL; } /* not weakly referenceable: not cached */
+    Cached *c = PyObject_New(Cached, &CachedType);
+    if (!c) { Py_DECREF(ref); return NULL; }
+    c->ref = ref;
+    c->fp = Py_NewRef(fp);
+    c->spec = NULL;
+    c->fpval = NULL;
+    c->geom = NULL;
+    c->dtype = Py_NewRef(dtype);
+    PyObject *spec = PyObject_GetAttr(fp, s_spec);
+    if (spec && PyTuple_Check(spec)) {
+        c->spec = spec;
+        c->fpval = spec_values(spec, x);
+    } else {
+        Py_XDECREF(spec);
+        PyErr_Clear();
+        c->fpval = PyObject_CallOneArg(fp, x);
+    }
+    if (!c->fpval) { Py_DECREF(c); return NULL; }
+    return c;
+}
+
+/* -- per-site merged counters -------------------------------------------------- */
+
+typedef struct {
+    PyObject *site;
+    Py_ssize_t count;
+} Count;
+
+/* -- Segment ---------------------------------------------------------------------- */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *merge, *barriers, *sites;
+    PyObject *slot;
+    Py_buffer view; /* the slot's pinned bytes, held while bound */
+    int bound;
+    int fast, wide;
+    int64_t top, bottom, cursor, seg, data0, reserve, size;
+    DescVec descs;
+    PyObject *entries; /* list of Entry */
+    Ranges writes, reads;
+    PyObject *dcache, *scache; /* id -> Cached */
+} Segment;
+
+static int seg_traverse(Segment *s, visitproc visit, void *arg) {
+    Py_VISIT(s->merge); Py_VISIT(s->barriers); Py_VISIT(s->sites); Py_VISIT(s->slot);
+    Py_VISIT(s->entries); Py_VISIT(s->dcache); Py_VISIT(s->scache);
+    return 0;
+}
+
+static void seg_release(Segment *s) {
+    if (s->bound) {
+        PyBuffer_Release(&s->view);
+        s->bound = 0;
+    }
+    Py_CLEAR(s->slot);
+}
+
+static int seg_clear(Segment *s) {
+    seg_release(s);
+    Py_CLEAR(s->merge); Py_CLEAR(s->barriers); Py_CLEAR(s->sites);
+    Py_CLEAR(s->entries); Py_CLEAR(s->dcache); Py_CLEAR(s->scache);
+    return 0;
+}
+
+static void seg_dealloc(Segment *s) {
+    PyObject_GC_UnTrack(s);
+    seg_clear(s);
+    PyMem_Free(s->descs.v);
+    PyMem_Free(s->writes.lo); PyMem_Free(s->writes.hi);
+    PyMem_Free(s->reads.lo); PyMem_Free(s->reads.hi);
+    Py_TYPE(s)->tp_free((PyObject *)s);
+}
+
+static int seg_init(Segment *s, PyObject *args, PyObject *kw) {
+    PyObject *merge, *barriers, *sites;
+    static char *kwlist[] = {"merge", "barriers", "sites", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOO", kwlist, &merge, &barriers, &sites))
+        return -1;
+    Py_XSETREF(s->merge, Py_NewRef(merge));
+    Py_XSETREF(s->barriers, Py_NewRef(barriers));
+    Py_XSETREF(s->sites, Py_NewRef(sites));
+    Py_XSETREF(s->entries, PyList_New(0));
+    Py_XSETREF(s->dcache, PyDict_New());
+    Py_XSETREF(s->scache, PyDict_New());
+    if (!s->entries || !s->dcache || !s->scache) return -1;
+    s->seg = -1;
+    s->reserve = 16;
+    return 0;
+}
+
+static int contains(PyObject *set, PyObject *key) {
+    return PyAnySet_Check(set) ? PySet_Contains(set, key) : PySequence_Contains(set, key);
+}
+
+static PyObject *seg_bind(Segment *s, PyObject *slot) {
+    seg_release(s);
+    PyObject *arr = PyObject_GetAttrString(slot, "array");
+    if (!arr) return NULL;
+    int r = PyObject_GetBuffer(arr, &s->view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS);
+    Py_DECREF(arr);
+    if (r < 0) return NULL;
+    s->bound = 1;
+    s->slot = Py_NewRef(slot);
+    s->size = s->view.len;
+    PyObject *top = PyObject_GetAttrString(slot, "top");
+    PyObject *bottom = top ? PyObject_GetAttrString(slot, "bottom") : NULL;
+    if (!bottom) { Py_XDECREF(top); seg_release(s); return NULL; }
+    s->top = PyLong_AsLongLong(top);
+    s->bottom = PyLong_AsLongLong(bottom);
+    Py_DECREF(top);
+    Py_DECREF(bottom);
+    if (PyErr_Occurred()) { seg_release(s); return NULL; }
+    s->cursor = 0;
+    s->seg = -1;
+    Py_RETURN_NONE;
+}
+
+static PyObject *seg_unbind(Segment *s, PyObject *unused) {
+    seg_release(s);
+    s->seg = -1;
+    s->cursor = 0;
+    Py_RETURN_NONE;
+}
+
+static PyObject *seg_set_cursor(Segment *s, PyObject *arg) {
+    long long v = PyLong_AsLongLong(arg);
+    if (v == -1 && PyErr_Occurred()) return NULL;
+    s->cursor = v;
+    Py_RETURN_NONE;
+}
+
+static int64_t reserve_tail(Segment *s) {
+    int64_t extra = (int64_t)s->descs.n + 2 - s->reserve;
+    return extra > 0 ? extra * DESC_BYTES + ALIGN : 0;
+}
+
+static inline int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
+
+static PyObject *seg_room(Segment *s, PyObject *arg) {
+    long long n = PyLong_AsLongLong(arg);
+    if (n == -1 && PyErr_Occurred()) return NULL;
+    return PyBool_FromLong(s->top - n >= max64(s->bottom, s->cursor));
+}
+
+static PyObject *seg_take_top(Segment *s, PyObject *arg) {
+    long long n = PyLong_AsLongLong(arg);
+    if (n == -1 && PyErr_Occurred()) return NULL;
+    int64_t top = (s->top - n) & -(int64_t)ALIGN;
+    int64_t tail = PyList_GET_SIZE(s->entries) ? reserve_tail(s) : 0;
+    if (top >= max64(s->cursor, s->bottom) + tail) {
+        PyObject *v = PyLong_FromLongLong(top);
+        if (!v || PyObject_SetAttrString(s->slot, "top", v) < 0) { Py_XDECREF(v); return NULL; }
+        s->top = top;
+        return v;
+    }
+    return PyLong_FromLong(-1);
+}
+
+static PyObject *seg_remember(Segment *s, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "remember(dst, fp, f, dtype, size)");
+        return NULL;
+    }
+    PyObject *dst = args[0], *fp = args[1], *f = args[2], *dtype = args[3];
+    long long g[4];
+    if (!PyTuple_Check(f) || PyTuple_GET_SIZE(f) != 4) {
+        PyErr_SetString(PyExc_TypeError, "remember: f is (ptr, rows, width, pitch)");
+        return NULL;
+    }
+    addr_t ptr = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(f, 0));
+    for (int i = 1; i < 4; i++) g[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(f, i));
+    if (PyErr_Occurred()) return NULL;
+    Cached *c = cached_new(dst, fp, dtype);
+    if (!c) {
+        if (PyErr_Occurred()) return NULL;
+        Py_RETURN_NONE;
+    }
+    c->geom = Py_NewRef(f);
+    c->ptr = ptr; c->rows = g[1]; c->width = g[2]; c->pitch = g[3];
+    c->lo = ptr;
+    c->hi = ptr + (addr_t)((g[1] - 1) * g[3] + g[2]);
+    c->nbytes = g[1] * g[2];
+    c->kind = g[1] == 1 ? KIND_H2D : KIND_H2D_2D;
+    if (PyDict_GET_SIZE(s->dcache) >= DCACHE_MAX) PyDict_Clear(s->dcache);
+    PyObject *key = PyLong_FromVoidPtr(dst);
+    int r = key ? PyDict_SetItem(s->dcache, key, (PyObject *)c) : -1;
+    Py_XDECREF(key);
+    Py_DECREF(c);
+    if (r < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *seg_remember_src(Segment *s, PyObject *const *args, Py_ssize_t nargs) {
+    /* remember_src(src, fp, host, dtype): host is a C-contiguous view of src's bytes */
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "remember_src(src, fp, host, dtype)");
+        return NULL;
+    }
+    Py_buffer b;
+    if (PyObject_GetBuffer(args[2], &b, PyBUF_C_CONTIGUOUS) < 0) {
+        PyErr_Clear(); /* not C-contiguous: never on the fast path */
+        Py_RETURN_NONE;
+    }
+    addr_t ptr = (addr_t)(uintptr_t)b.buf;
+    int64_t nbytes = b.len;
+    PyBuffer_Release(&b);
+    Cached *c = cached_new(args[0], args[1], args[3]);
+    if (!c) {
+        if (PyErr_Occurred()) return NULL;
+        Py_RETURN_NONE;
+    }
+    c->geom = Py_NewRef(args[2]); /* keeps the bytes alive while cached */
+    c->ptr = ptr;
+    c->nbytes = nbytes;
+    if (PyDict_GET_SIZE(s->scache) >= DCACHE_MAX) PyDict_Clear(s->scache);
+    PyObject *key = PyLong_FromVoidPtr(args[0]);
+    int r = key ? PyDict_SetItem(s->scache, key, (PyObject *)c) : -1;
+    Py_XDECREF(key);
+    Py_DECREF(c);
+    if (r < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *seg_forget(Segment *s, PyObject *unused) {
+    PyDict_Clear(s->dcache);
+    PyDict_Clear(s->scache);
+    Py_RETURN_NONE;
+}
+
+/* Stage bytes [data, data + nbytes) for destination geometry g into the open segment.
+ * 1 staged, 0 not (nothing changed), -1 error. geom: the form tuple (borrowed). */
+static int append_raw(Segment *s, PyObject *site, PyObject *on_drop, addr_t ptr, int64_t rows,
+                      int64_t width, int64_t pitch, addr_t lo, addr_t hi, int64_t nbytes,
+                      int kind, const void *data, PyObject *geom) {
+    if (s->seg < 0) return 0;
+    if (s->reads.n && ranges_overlaps(&s->reads, lo, hi)) return 0;
+    int64_t off = (s->cursor + 15) & -16;
+    int64_t grow = (int64_t)s->descs.n + 2 - s->reserve;
+    if (off + nbytes + (grow > 0 ? grow * DESC_BYTES + 16 : 0) > s->top) return 0;
+    int r = ranges_claim(&s->writes, lo, hi);
+    if (r <= 0) return r;
+    Desc d = {ptr, (uint64_t)off, 0, pitch, width, width, rows, kind, 0};
+    PyObject *index = PyLong_FromSsize_t(s->descs.n);
+    if (!index || descs_push(&s->descs, &d) < 0) goto undo;
+    Entry *e = entry_new(site, on_drop, lo, hi, index);
+    if (!e) { s->descs.n--; goto undo_claimed; }
+    Py_SETREF(e->geom, Py_NewRef(geom));
+    if (PyList_Append(s->entries, (PyObject *)e) < 0) { Py_DECREF(e); s->descs.n--;
+        goto undo_claimed; }
+    Py_DECREF(e);
+    memcpy((char *)s->view.buf + off, data, (size_t)nbytes);
+    if (hi - lo > BLOCK_BYTES) s->wide = 1;
+    s->cursor = off + nbytes;
+    return 1;
+undo:
+    Py_XDECREF(index);
+undo_claimed:
+    /* rebuild the write ranges without [lo, hi): rare (out of memory) */
+    s->writes.n = 0;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(s->entries); i++) {
+        Entry *x = (Entry *)PyList_GET_ITEM(s->entries, i);
+        if (ranges_add(&s->writes, x->lo, x->hi) < 0) break;
+    }
+    return -1;
+}
+
+static PyObject *seg_append_h2d(Segment *s, PyObject *const *args, Py_ssize_t nargs) {
+    /* append_h2d(site, on_drop, f, lo, hi, nbytes, kind, host) -> bool */
+    if (nargs != 8) {
+        PyErr_SetString(PyExc_TypeError, "append_h2d takes 8 arguments");
+        return NULL;
+    }
+    PyObject *f = args[2];
+    long long g[4], v[4];
+    if (!PyTuple_Check(f) || PyTuple_GET_SIZE(f) != 4) {
+        PyErr_SetString(PyExc_TypeError, "append_h2d: f is (ptr, rows, width, pitch)");
+        return NULL;
+    }
+    addr_t ptr = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(f, 0));
+    addr_t lo = PyLong_AsUnsignedLongLong(args[3]), hi = PyLong_AsUnsignedLongLong(args[4]);
+    for (int i = 1; i < 4; i++) g[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(f, i));
+    for (int i = 2; i < 4; i++) v[i] = PyLong_AsLongLong(args[3 + i]);
+    if (PyErr_Occurred()) return NULL;
+    if (s->seg < 0) Py_RETURN_FALSE;
+    Py_buffer b;
+    if (PyObject_GetBuffer(args[7], &b, PyBUF_C_CONTIGUOUS) < 0) {
+        PyErr_Clear();
+        Py_RETURN_FALSE;
+    }
+    int r = 0;
+    if (b.len == v[2])
+        r = append_raw(s, args[0], args[1], ptr, g[1], g[2], g[3], lo, hi, v[2], (int)v[3],
+                       b.buf, f);
+    PyBuffer_Release(&b);
+    if (r < 0) return NULL;
+    return PyBool_FromLong(r);
+}
+
+static PyObject *seg_try_h2d(Segment *s, PyObject *const *args, Py_ssize_t nargs) {
+    /* try_h2d(site, dst, src, on_drop) -> MISS / STAGED / BARRIER */
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "try_h2d(site, dst, src, on_drop)");
+        return NULL;
+    }
+    PyObject *site = args[0], *dst = args[1], *src = args[2], *on_drop = args[3];
+    if (!s->bound || s->seg < 0) return PyLong_FromLong(MISS);
+    int in = contains(s->merge, site);
+    if (in != 1) {
+        if (in < 0) PyErr_Clear();
+        return PyLong_FromLong(MISS);
+    }
+    PyObject *key = PyLong_FromVoidPtr(dst);
+    if (!key) return NULL;
+    Cached *c = (Cached *)PyDict_GetItemWithError(s->dcache, key);
+    Py_DECREF(key);
+    if (!c) {
+        if (PyErr_Occurred()) return NULL;
+        return PyLong_FromLong(MISS);
+    }
+    Py_INCREF(c);
+    int r = 0;
+    if (!cached_valid(c, dst)) goto miss;
+    if ((PyObject *)Py_TYPE(src) == ndarray_type) {
+        PyObject *dt = PyObject_GetAttr(src, s_dtype);
+        if (!dt) { PyErr_Clear(); goto miss; }
+        int eq = dt == c->dtype ? 1 : PyObject_RichCompareBool(dt, c->dtype, Py_EQ);
+        Py_DECREF(dt);
+        if (eq != 1) { if (eq < 0) PyErr_Clear(); goto miss; }
+        Py_buffer b;
+        if (PyObject_GetBuffer(src, &b, PyBUF_C_CONTIGUOUS) < 0) { PyErr_Clear(); goto miss; }
+        if (b.len == c->nbytes)
+            r = append_raw(s, site, on_drop, c->ptr, c->rows, c->width, c->pitch, c->lo, c->hi,
+                           c->nbytes, c->kind, b.buf, c->geom);
+        PyBuffer_Release(&b);
+    } else {
+        key = PyLong_FromVoidPtr(src);
+        if (!key) { Py_DECREF(c); return NULL; }
+        Cached *sc = (Cached *)PyDict_GetItemWithError(s->scache, key);
+        Py_DECREF(key);
+        if (!sc) { if (PyErr_Occurred()) { Py_DECREF(c); return NULL; } goto miss; }
+        Py_INCREF(sc);
+        if (sc->nbytes == c->nbytes && cached_valid(sc, src)) {
+            int eq = sc->dtype == c->dtype ? 1 : PyObject_RichCompareBool(sc->dtype, c->dtype, Py_EQ);
+            if (eq < 0) PyErr_Clear();
+            if (eq == 1)
+                r = append_raw(s, site, on_drop, c->ptr, c->rows, c->width, c->pitch, c->lo,
+                               c->hi, c->nbytes, c->kind, (const void *)(intptr_t)sc->ptr,
+                               c->geom);
+        }
+        Py_DECREF(sc);
+    }
+    Py_DECREF(c);
+    if (r < 0) return NULL;
+    if (r == 0) return PyLong_FromLong(MISS);
+    in = contains(s->barriers, site);
+    if (in < 0) return NULL;
+    return PyLong_FromLong(in ? BARRIER : STAGED);
+miss:
+    Py_DECREF(c);
+    return PyLong_FromLong(MISS);
+}
+
+static void seg_open(Segment *s) {
+    s->seg = align_up(max64(s->bottom, s->cursor), 256);
+    s->data0 = align_up(s->seg + HEADER_BYTES + s->reserve * DESC_BYTES, ALIGN);
+    s->cursor = s->data0;
+}
+
+/* the index of the last entry staged over exactly [lo, hi), or -1 */
+static Py_ssize_t find_exact(Segment *s, addr_t lo, addr_t hi) {
+    for (Py_ssize_t i = PyList_GET_SIZE(s->entries) - 1; i >= 0; i--) {
+        Entry *e = (Entry *)PyList_GET_ITEM(s->entries, i);
+        if (e->lo == lo && e->hi == hi) return i;
+    }
+    return -1;
+}
+
+static int count_merged(Segment *s, PyObject *site, Py_ssize_t n);
+
+static PyObject *seg_stage(Segment *s, PyObject *args) {
+    /* stage(site, on_drop, lo, hi, geom, nbytes, descs, h2d=False) */
+    PyObject *site, *on_drop, *geom, *descs;
+    unsigned long long lo, hi;
+    long long nbytes;
+    int h2d = 0;
+    if (!PyArg_ParseTuple(args, "OOKKOLO|p", &site, &on_drop, &lo, &hi, &geom, &nbytes, &descs,
+                          &h2d))
+        return NULL;
+    if (s->seg < 0) seg_open(s);
+    int is_list = PyList_Check(descs);
+    Py_ssize_t n = is_list ? PyList_GET_SIZE(descs) : 1;
+    int64_t off = align_up(s->cursor, ALIGN);
+    int64_t grow = (int64_t)s->descs.n + n + 1 - s->reserve;
+    if (off + nbytes + (grow > 0 ? grow * DESC_BYTES + ALIGN : 0) > s->top)
+        return PyLong_FromLong(FULL);
+    Desc one;
+    if (!is_list) {
+        if (parse_desc(descs, &one) < 0) return NULL;
+        if (h2d) one.src = (uint64_t)off;
+    }
+    Py_ssize_t nentries = PyList_GET_SIZE(s->entries);
+    if (nentries &&
+        (ranges_overlaps(&s->writes, lo, hi) || ranges_overlaps(&s->reads, lo, hi))) {
+        Py_ssize_t i = find_exact(s, lo, hi);
+        if (i >= 0 && geom != Py_None && !is_list && !ranges_overlaps(&s->reads, lo, hi)) {
+            Entry *e = (Entry *)PyList_GET_ITEM(s->entries, i);
+            int same = PyObject_RichCompareBool(e->geom, geom, Py_EQ);
+            if (same < 0) return NULL;
+            if (same && PyLong_Check(e->index)) {
+                Py_ssize_t old = PyLong_AsSsize_t(e->index);
+                if (s->descs.v[old].kind != KIND_D2D) {
+                    /* the same destination again: the later copy replaces the staged one */
+                    s->descs.v[old] = one;
+                    if (on_drop != Py_None) {
+                        if (e->on_drop == Py_None) {
+                            PyObject *l = PyList_New(0);
+                            if (!l) return NULL;
+                            Py_SETREF(e->on_drop, l);
+                        } else {
+                            PyObject *l = PySequence_List(e->on_drop);
+                            if (!l) return NULL;
+                            Py_SETREF(e->on_drop, l);
+                        }
+                        if (PyList_Append(e->on_drop, on_drop) < 0) return NULL;
+                    }
+                    if (count_merged(s, e->site, 1) < 0) return NULL; /* the superseded copy */
+                    Py_SETREF(e->site, Py_NewRef(site));
+                    if (nbytes) s->cursor = off + nbytes;
+                    return Py_BuildValue("(OL)", (PyObject *)e, (long long)off);
+                }
+            }
+        }
+        return PyLong_FromLong(ORDER);
+    }
+    Py_ssize_t first = s->descs.n;
+    PyObject *index;
+    if (is_list) {
+        if (descs_reserve(&s->descs, first + n) < 0) return NULL;
+        for (Py_ssize_t k = 0; k < n; k++) {
+            Desc d;
+            if (parse_desc(PyList_GET_ITEM(descs, k), &d) < 0) return NULL;
+            s->descs.v[first + k] = d;
+        }
+        index = PyList_New(n);
+        if (!index) return NULL;
+        for (Py_ssize_t k = 0; k < n; k++) {
+            PyObject *v = PyLong_FromSsize_t(first + k);
+            if (!v) { Py_DECREF(index); return NULL; }
+            PyList_SET_ITEM(index, k, v);
+        }
+    } else {
+        if (descs_reserve(&s->descs, first + 1) < 0) return NULL;
+        s->descs.v[first] = one;
+        index = PyLong_FromSsize_t(first);
+        if (!index) return NULL;
+    }
+    if (ranges_add(&s->writes, lo, hi) < 0) { Py_DECREF(index); return NULL; }
+    Entry *e = entry_new(site, on_drop, lo, hi, index);
+    if (!e) return NULL;
+    Py_SETREF(e->geom, Py_NewRef(geom));
+    if (PyList_Append(s->entries, (PyObject *)e) < 0) { Py_DECREF(e); return NULL; }
+    s->descs.n = first + n;
+    if (hi - lo > BLOCK_BYTES) s->wide = 1;
+    if (nbytes) s->cursor = off + nbytes;
+    PyObject *out = Py_BuildValue("(OL)", (PyObject *)e, (long long)off);
+    Py_DECREF(e);
+    return out;
+}
+
+static PyObject *seg_add_read(Segment *s, PyObject *args) {
+    unsigned long long lo, hi;
+    if (!PyArg_ParseTuple(args, "KK", &lo, &hi)) return NULL;
+    if (ranges_add(&s->reads, lo, hi) < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *seg_overlaps(Segment *s, PyObject *args) {
+    unsigned long long lo, hi;
+    int reads = 1;
+    if (!PyArg_ParseTuple(args, "KK|p", &lo, &hi, &reads)) return NULL;
+    if (!PyList_GET_SIZE(s->entries)) Py_RETURN_FALSE;
+    return PyBool_FromLong(ranges_overlaps(&s->writes, lo, hi) ||
+                           (reads && ranges_overlaps(&s->reads, lo, hi)));
+}
+
+static PyObject *seg_desc(Segment *s, PyObject *arg) {
+    Py_ssize_t i = PyLong_AsSsize_t(arg);
+    if (i == -1 && PyErr_Occurred()) return NULL;
+    if (i < 0 || i >= s->descs.n) {
+        PyErr_SetString(PyExc_IndexError, "descriptor index out of range");
+        return NULL;
+    }
+    return desc_tuple(&s->descs.v[i]);
+}
+
+/* -- split and encode (pack.split, pack.encode) -------------------------------- */
+
+static int64_t desc_blocks(const Desc *d) {
+    int64_t per_row = (d->width + 15) >> 4;
+    int64_t windows = d->rows == 1 ? per_row : d->rows * (per_row + 1);
+    int64_t b = (windows + WINDOWS_PER_BLOCK - 1) / WINDOWS_PER_BLOCK;
+    return b ? b : 1;
+}
+
+/* pack.split: out receives the cut descriptors; returns 1 when anything was cut */
+static int split(const Desc *in, Py_ssize_t n, DescVec *out) {
+    int cut = 0;
+    out->n = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Desc d = in[i];
+        int64_t per_row = (d.width + 15) >> 4;
+        int64_t windows = d.rows == 1 ? per_row : d.rows * (per_row + 1);
+        if (windows <= WINDOWS_PER_BLOCK || d.width == 0 || d.rows == 0) {
+            if (descs_push(out, &d) < 0) return -1;
+            continue;
+        }
+        cut = 1;
+        int fill = d.kind == KIND_FILL;
+        if (fill && d.elem != 1 && d.elem != 2 && d.elem != 4 && d.elem != 8) {
+            if (descs_push(out, &d) < 0) return -1;
+            continue;
+        }
+        int64_t width = d.width, rows = d.rows;
+        if (rows > 1 && d.dpitch == width && (fill || d.spitch == width) &&
+            !(fill && width % d.elem)) {
+            width = width * rows;
+            rows = 1;
+        }
+        int64_t per = 1, run_rows = rows;
+        int by_rows = 0;
+        if (rows > 1) {
+            per = WINDOWS_PER_BLOCK / (per_row + 1);
+            if (per < 1) per = 1;
+            by_rows = 1;
+        }
+        int whole_cols = rows > 1 && per_row + 1 <= WINDOWS_PER_BLOCK;
+        if (!whole_cols && rows > 1) { per = 1; }
+        int64_t sk = fill ? 0 : 1;
+        (void)run_rows;
+        for (int64_t r = 0; r < rows; r += (by_rows ? per : rows)) {
+            int64_t nr = by_rows ? (per < rows - r ? per : rows - r) : 1;
+            int64_t c = 0;
+            do {
+                int64_t w = whole_cols ? width : (BLOCK_BYTES < width - c ? BLOCK_BYTES : width - c);
+                Desc p;
+                p.dst = d.dst + r * d.dpitch + c;
+                p.src = d.src + (r * d.spitch + c) * sk;
+                p.value = d.value;
+                if (nr == 1) { p.dpitch = w; p.spitch = w * sk; }
+                else { p.dpitch = d.dpitch; p.spitch = d.spitch; }
+                p.width = w;
+                p.rows = nr;
+                p.kind = (nr > 1 || d.kind != KIND_H2D_2D) ? d.kind : KIND_H2D;
+                p.elem = d.elem;
+                if (descs_push(out, &p) < 0) return -1;
+                c += w;
+            } while (!whole_cols && c < width);
+        }
+    }
+    return cut;
+}
+
+static void put32(char *p, int64_t v) { uint32_t x = (uint32_t)v; memcpy(p, &x, 4); }
+static void put16(char *p, int64_t v) { uint16_t x = (uint16_t)v; memcpy(p, &x, 2); }
+static void put64(char *p, uint64_t v) { memcpy(p, &v, 8); }
+
+static int check_u32(int64_t v, const char *what) {
+    if (v < 0 || v > 0xFFFFFFFFLL) {
+        PyErr_Format(PyExc_OverflowError,
+                     "descriptor field %s=%lld does not fit the wire format's 32 bits", what,
+                     (long long)v);
+        return -1;
+    }
+    return 0;
+}
+
+/* pack.encode into out; returns the block count, or -1 with an error set */
+static int64_t encode(char *out, const Desc *descs, Py_ssize_t n, int64_t data_offset,
+                      int64_t total, int64_t src_shift) {
+    int64_t block = 0;
+    char *p = out + HEADER_BYTES;
+    for (Py_ssize_t i = 0; i < n; i++, p += DESC_BYTES) {
+        const Desc *d = &descs[i];
+        uint64_t src = d->src;
+        if (d->kind <= KIND_H2D_2D) src += (uint64_t)src_shift;
+        if (check_u32(d->dpitch, "dst_pitch") || check_u32(d->spitch, "src_pitch") ||
+            check_u32(d->width, "width") || check_u32(d->rows, "rows") ||
+            check_u32(block, "block_start"))
+            return -1;
+        if (d->kind < 0 || d->kind > 0xFFFF || d->elem < 0 || d->elem > 0xFFFF) {
+            PyErr_SetString(PyExc_OverflowError, "descriptor kind/elem out of range");
+            return -1;
+        }
+        put64(p, d->dst);
+        put64(p + 8, src);
+        put64(p + 16, d->value);
+        put32(p + 24, d->dpitch);
+        put32(p + 28, d->spitch);
+        put32(p + 32, d->width);
+        put32(p + 36, d->rows);
+        put16(p + 40, d->kind);
+        put16(p + 42, d->elem);
+        put32(p + 44, block);
+        block += desc_blocks(d);
+    }
+    if (check_u32(n, "ndesc") || check_u32(block, "nblocks") ||
+        check_u32(data_offset, "data_offset"))
+        return -1;
+    put32(out, MAGIC);
+    put16(out + 4, VERSION);
+    put16(out + 6, HEADER_BYTES);
+    put32(out + 8, n);
+    put32(out + 12, block);
+    put32(out + 16, HEADER_BYTES);
+    put32(out + 20, data_offset);
+    put64(out + 24, (uint64_t)total);
+    return block;
+}
+
+static PyObject *seg_cut(Segment *s, PyObject *arg) {
+    long long inline_max = PyLong_AsLongLong(arg);
+    if (inline_max == -1 && PyErr_Occurred()) return NULL;
+    if (!s->bound) {
+        PyErr_SetString(PyExc_AssertionError, "internal: cut() with no slot");
+        return NULL;
+    }
+    char *base = s->view.buf;
+    int64_t seg = s->seg, data0 = s->data0, end = align_up(s->cursor, ALIGN), shift = 0;
+    int64_t top = s->top;
+    DescVec pieces = {0}, *cur = &s->descs;
+    const Desc *descs = s->descs.v;
+    Py_ssize_t n = s->descs.n;
+    int64_t nblocks;
+    if (s->wide) {
+        int r = split(descs, n, &pieces);
+        if (r < 0) goto fail;
+        int64_t grow = align_up(seg + HEADER_BYTES + pieces.n * DESC_BYTES, ALIGN);
+        if (end + max64(0, grow - data0) <= top) { descs = pieces.v; n = pieces.n; cur = &pieces; }
+    }
+    for (;;) {
+        int64_t need0 = align_up(seg + HEADER_BYTES + (int64_t)n * DESC_BYTES, ALIGN);
+        int64_t move = need0 - data0;
+        if (move < 0 && !(end - seg + move <= inline_max)) move = 0;
+        if (move) {
+            memmove(base + need0, base + data0, (size_t)(end - data0));
+            end += move;
+            shift += move;
+            data0 = need0;
+        }
+        nblocks = encode(base + seg, descs, n, data0 - seg, end - seg, shift - seg);
+        if (nblocks < 0) goto fail;
+        if (nblocks == n) break;
+        DescVec more = {0};
+        int r = split(descs, n, &more);
+        if (r < 0) { PyMem_Free(more.v); goto fail; }
+        int64_t grow = align_up(seg + HEADER_BYTES + more.n * DESC_BYTES, ALIGN);
+        if (more.n == n || end + max64(0, grow - data0) > top) { PyMem_Free(more.v); break; }
+        PyMem_Free(pieces.v);
+        pieces = more;
+        descs = pieces.v;
+        n = pieces.n;
+        cur = &pieces;
+    }
+    (void)cur;
+    PyMem_Free(pieces.v);
+    if (n > s->reserve) s->reserve = n;
+    s->cursor = end;
+    return Py_BuildValue("(LLLn)", (long long)seg, (long long)end, (long long)nblocks, n);
+fail:
+    PyMem_Free(pieces.v);
+    s->cursor = end;
+    return NULL;
+}
+
+/* -- per-site merged counters: folded into sites[site].merged ------------------ */
+
+static int count_merged(Segment *s, PyObject *site, Py_ssize_t n) {
+    PyObject *st = PyObject_GetItem(s->sites, site);
+    if (!st) return -1;
+    PyObject *v = PyObject_GetAttr(st, s_merged);
+    if (!v) { Py_DECREF(st); return -1; }
+    PyObject *k = PyLong_FromSsize_t(n);
+    PyObject *sum = k ? PyNumber_Add(v, k) : NULL;
+    Py_DECREF(v);
+    Py_XDECREF(k);
+    int r = sum ? PyObject_SetAttr(st, s_merged, sum) : -1;
+    Py_XDECREF(sum);
+    Py_DECREF(st);
+    return r;
+}
+
+static void seg_reset_state(Segment *s) {
+    s->wide = 0;
+    s->descs.n = 0;
+    s->writes.n = 0;
+    s->reads.n = 0;
+    s->seg = -1;
+}
+
+static PyObject *seg_finish(Segment *s, PyObject *unused) {
+    s->bottom = s->cursor;
+    if (s->slot) {
+        PyObject *v = PyLong_FromLongLong(s->bottom);
+        if (!v || PyObject_SetAttrString(s->slot, "bottom", v) < 0) { Py_XDECREF(v); return NULL; }
+        Py_DECREF(v);
+    }
+    PyObject *entries = s->entries;
+    Py_ssize_t n = PyList_GET_SIZE(entries);
+    PyObject *fresh = PyList_New(0);
+    if (!fresh) return NULL;
+    s->entries = fresh;
+    seg_reset_state(s);
+    /* count runs of one site at a time (a step's sites repeat in order) */
+    int err = 0;
+    for (Py_ssize_t i = 0; i < n && !err;) {
+        PyObject *site = ((Entry *)PyList_GET_ITEM(entries, i))->site;
+        Py_ssize_t j = i + 1;
+        while (j < n && ((Entry *)PyList_GET_ITEM(entries, j))->site == site) j++;
+        err = count_merged(s, site, j - i) < 0;
+        i = j;
+    }
+    Py_DECREF(entries);
+    if (err) return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *seg_reset(Segment *s, PyObject *unused) {
+    PyObject *entries = s->entries;
+    PyObject *fresh = PyList_New(0);
+    if (!fresh) return NULL;
+    s->entries = fresh;
+    seg_reset_state(s);
+    return entries;
+}
+
+static PyObject *seg_get_staged(Segment *s, void *c) {
+    return PyLong_FromSsize_t(PyList_GET_SIZE(s->entries));
+}
+
+static PyObject *seg_get_entries(Segment *s, void *c) { return Py_NewRef(s->entries); }
+static PyObject *seg_get_seg(Segment *s, void *c) { return PyLong_FromLongLong(s->seg); }
+static PyObject *seg_get_cursor(Segment *s, void *c) { return PyLong_FromLongLong(s->cursor); }
+static PyObject *seg_get_reserve(Segment *s, void *c) { return PyLong_FromLongLong(s->reserve); }
+
+static PyObject *seg_get_fast(Segment *s, void *c) { return PyBool_FromLong(s->fast); }
+static int seg_set_fast(Segment *s, PyObject *v, void *c) {
+    int b = PyObject_IsTrue(v);
+    if (b < 0) return -1;
+    s->fast = b;
+    return 0;
+}
+
+static PyGetSetDef seg_getset[] = {
+    {"staged", (getter)seg_get_staged, NULL, "Copies staged in the open segment.", NULL},
+    {"entries", (getter)seg_get_entries, NULL, "The open segment's entries.", NULL},
+    {"seg", (getter)seg_get_seg, NULL, "The open segment's slot offset (-1: none).", NULL},
+    {"cursor", (getter)seg_get_cursor, NULL, "Next free data byte of the slot.", NULL},
+    {"reserve", (getter)seg_get_reserve, NULL, "Descriptors reserved per segment.", NULL},
+    {"fast", (getter)seg_get_fast, (setter)seg_set_fast, "The fast path may be taken.", NULL},
+    {NULL},
+};
+
+static PyMethodDef seg_methods[] = {
+    {"bind", (PyCFunction)seg_bind, METH_O, "Start staging into a slot."},
+    {"unbind", (PyCFunction)seg_unbind, METH_NOARGS, "Forget the slot."},
+    {"set_cursor", (PyCFunction)seg_set_cursor, METH_O, "Move the segment cursor."},
+    {"room", (PyCFunction)seg_room, METH_O, "Whether an eager snapshot fits."},
+    {"take_top", (PyCFunction)seg_take_top, METH_O, "Space for an eager snapshot, or -1."},
+    {"remember", (PyCFunction)(void (*)(void))seg_remember, METH_FASTCALL,
+     "Cache a merged destination's geometry by identity."},
+    {"remember_src", (PyCFunction)(void (*)(void))seg_remember_src, METH_FASTCALL,
+     "Cache a host source's address by identity."},
+    {"forget", (PyCFunction)seg_forget, METH_NOARGS, "Clear the caches."},
+    {"try_h2d", (PyCFunction)(void (*)(void))seg_try_h2d, METH_FASTCALL,
+     "Stage an H2D copy on the fast path, or say MISS."},
+    {"append_h2d", (PyCFunction)(void (*)(void))seg_append_h2d, METH_FASTCALL,
+     "Stage host bytes into the open segment."},
+    {"stage", (PyCFunction)seg_stage, METH_VARARGS, "Reserve data and place descriptors."},
+    {"add_read", (PyCFunction)seg_add_read, METH_VARARGS, "Record a D2D source range."},
+    {"overlaps", (PyCFunction)seg_overlaps, METH_VARARGS, "Overlap with staged ranges."},
+    {"desc", (PyCFunction)seg_desc, METH_O, "Descriptor i as a tuple."},
+    {"cut", (PyCFunction)seg_cut, METH_O, "Encode the open segment into the slot."},
+    {"finish", (PyCFunction)seg_finish, METH_NOARGS, "Count and close a launched segment."},
+    {"reset", (PyCFunction)seg_reset, METH_NOARGS, "Close without landing; returns entries."},
+    {NULL},
+};
+
+static PyTypeObject SegmentType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "cucopy._segment.Segment",
+    .tp_basicsize = sizeof(Segment),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "The open segment of one copier (compiled twin of cucopy.segment.PySegment).",
+    .tp_traverse = (traverseproc)seg_traverse,
+    .tp_clear = (inquiry)seg_clear,
+    .tp_dealloc = (destructor)seg_dealloc,
+    .tp_methods = seg_methods,
+    .tp_getset = seg_getset,
+    .tp_init = (initproc)seg_init,
+    .tp_new = PyType_GenericNew,
+};
+
+static struct PyModuleDef moduledef = {
+    PyModuleDef_HEAD_INIT, "cucopy._segment",
+    "The open segment, compiled (twin of cucopy.segment.PySegment).", -1, NULL,
+};
+
+PyMODINIT_FUNC PyInit__segment(void) {
+    if (PyType_Ready(&EntryType) < 0 || PyType_Ready(&CachedType) < 0 ||
+        PyType_Ready(&SegmentType) < 0)
+        return NULL;
+    PyObject *np = PyImport_ImportModule("numpy");
+    if (!np) return NULL;
+    ndarray_type = PyObject_GetAttrString(np, "ndarray");
+    Py_DECREF(np);
+    if (!ndarray_type) return NULL;
+    s_dtype = PyUnicode_InternFromString("dtype");
+    s_spec = PyUnicode_InternFromString("__cucopy_spec__");
+    s_merged = PyUnicode_InternFromString("merged");
+    if (!s_dtype || !s_spec || !s_merged) return NULL;
+    PyObject *m = PyModule_Create(&moduledef);
+    if (!m) return NULL;
+    if (PyModule_AddObjectRef(m, "Segment", (PyObject *)&SegmentType) < 0 ||
+        PyModule_AddObjectRef(m, "Entry", (PyObject *)&EntryType) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

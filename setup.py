@@ -1,0 +1,46 @@
+"""Build the compiled staging core (``cucopy._segment``) when a C compiler is present.
+
+The extension is optional: without a compiler the install still succeeds, says
+so once, and cucopy runs its pure-Python twin (``cucopy.segment.PySegment``).
+"""
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+
+class OptionalBuildExt(build_ext):
+    """``build_ext`` that turns a failed compile into one warning."""
+
+    def run(self):
+        try:
+            super().run()
+        except Exception as exc:  # no compiler at all (distutils raises before compiling)
+            _warn(exc)
+
+    def build_extension(self, ext):
+        try:
+            super().build_extension(ext)
+        except Exception as exc:
+            _warn(exc)
+
+
+def _warn(exc) -> None:
+    import sys
+
+    print(
+        f"WARNING: cucopy: the compiled staging core was not built ({exc}); "
+        "cucopy will use its pure-Python staging path (slower on the host, same results).",
+        file=sys.stderr,
+    )
+
+
+setup(
+    ext_modules=[
+        Extension(
+            "cucopy._segment",
+            ["cucopy/_segment.c"],
+            extra_compile_args=["-O2", "-std=c11"],
+        )
+    ],
+    cmdclass={"build_ext": OptionalBuildExt},
+)
