@@ -14,6 +14,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <pythread.h>
 #include <structmember.h>
 #include <stdint.h>
 #include <string.h>
@@ -34,7 +35,7 @@
 enum { MISS = 0, STAGED = 1, BARRIER = 2, FULL = -1, ORDER = -2 };
 
 static PyObject *ndarray_type; /* numpy.ndarray */
-static PyObject *s_dtype, *s_spec, *s_merged;
+static PyObject *s_dtype, *s_spec, *s_merged, *s_view;
 
 static inline int64_t align_up(int64_t n, int64_t a) { return (n + a - 1) & -a; }
 
@@ -288,15 +289,16 @@ typedef struct {
     PyObject *spec;   /* tuple of (name, call) pairs, or NULL */
     PyObject *fpval;  /* fp(x), or the tuple of the spec's values */
     PyObject *dtype;
-    PyObject *geom;   /* destinations: (ptr, rows, width, pitch) */
+    PyObject *geom;   /* destinations: (ptr, rows, width, pitch) or None; sources: bytes */
+    PyObject *vdtype; /* destinations with a view protocol: dtype attribute's value */
     addr_t ptr, lo, hi;
-    int64_t rows, width, pitch, nbytes;
-    int kind;
+    int64_t rows, width, pitch, nbytes, itemsize;
+    int kind; /* 0: no 2-D form (only a base for views) */
 } Cached;
 
 static void cached_dealloc(Cached *c) {
     Py_XDECREF(c->ref); Py_XDECREF(c->fp); Py_XDECREF(c->spec); Py_XDECREF(c->fpval);
-    Py_XDECREF(c->dtype); Py_XDECREF(c->geom);
+    Py_XDECREF(c->dtype); Py_XDECREF(c->geom); Py_XDECREF(c->vdtype);
     Py_TYPE(c)->tp_free((PyObject *)c);
 }
 
@@ -325,16 +327,21 @@ static PyObject *spec_values(PyObject *spec, PyObject *x) {
     return out;
 }
 
-/* 1 when x's fingerprint still matches, 0 when not, -1 on error (cleared: a miss) */
-static int cached_valid(Cached *c, PyObject *x) {
+/* whether weak reference ref still refers to x (alive: x holds it) */
+static int weak_is(PyObject *ref, PyObject *x) {
 #if PY_VERSION_HEX >= 0x030D0000
     PyObject *obj;
-    if (PyWeakref_GetRef(c->ref, &obj) < 0) { PyErr_Clear(); return 0; }
-    Py_XDECREF(obj); /* x holds it alive: only its identity matters */
-    if (obj != x) return 0;
+    if (PyWeakref_GetRef(ref, &obj) < 0) { PyErr_Clear(); return 0; }
+    Py_XDECREF(obj);
+    return obj == x;
 #else
-    if (PyWeakref_GET_OBJECT(c->ref) != x) return 0;
+    return PyWeakref_GET_OBJECT(ref) == x;
 #endif
+}
+
+/* 1 when x's fingerprint still matches, 0 when not (errors cleared: a miss) */
+static int cached_valid(Cached *c, PyObject *x) {
+    if (!weak_is(c->ref, x)) return 0;
     if (c->spec) {
         Py_ssize_t n = PyTuple_GET_SIZE(c->spec);
         for (Py_ssize_t i = 0; i < n; i++) {
@@ -369,6 +376,8 @@ static Cached *cached_new(PyObject *x, PyObject *fp, PyObject *dtype) {
     c->spec = NULL;
     c->fpval = NULL;
     c->geom = NULL;
+    c->vdtype = NULL;
+    c->kind = 0;
     c->dtype = Py_NewRef(dtype);
     PyObject *spec = PyObject_GetAttr(fp, s_spec);
     if (spec && PyTuple_Check(spec)) {
@@ -399,16 +408,18 @@ typedef struct {
     Py_buffer view; /* the slot's pinned bytes, held while bound */
     int bound;
     int fast, wide;
+    unsigned long owner; /* the thread whose step is open */
     int64_t top, bottom, cursor, seg, data0, reserve, size;
     DescVec descs;
     PyObject *entries; /* list of Entry */
     Ranges writes, reads;
     PyObject *dcache, *scache; /* id -> Cached */
+    PyObject *vtypes;          /* type -> view protocol (see view_geo) */
 } Segment;
 
 static int seg_traverse(Segment *s, visitproc visit, void *arg) {
     Py_VISIT(s->merge); Py_VISIT(s->barriers); Py_VISIT(s->sites); Py_VISIT(s->slot);
-    Py_VISIT(s->entries); Py_VISIT(s->dcache); Py_VISIT(s->scache);
+    Py_VISIT(s->entries); Py_VISIT(s->dcache); Py_VISIT(s->scache); Py_VISIT(s->vtypes);
     return 0;
 }
 
@@ -423,7 +434,7 @@ static void seg_release(Segment *s) {
 static int seg_clear(Segment *s) {
     seg_release(s);
     Py_CLEAR(s->merge); Py_CLEAR(s->barriers); Py_CLEAR(s->sites);
-    Py_CLEAR(s->entries); Py_CLEAR(s->dcache); Py_CLEAR(s->scache);
+    Py_CLEAR(s->entries); Py_CLEAR(s->dcache); Py_CLEAR(s->scache); Py_CLEAR(s->vtypes);
     return 0;
 }
 
@@ -447,7 +458,8 @@ static int seg_init(Segment *s, PyObject *args, PyObject *kw) {
     Py_XSETREF(s->entries, PyList_New(0));
     Py_XSETREF(s->dcache, PyDict_New());
     Py_XSETREF(s->scache, PyDict_New());
-    if (!s->entries || !s->dcache || !s->scache) return -1;
+    Py_XSETREF(s->vtypes, PyDict_New());
+    if (!s->entries || !s->dcache || !s->scache || !s->vtypes) return -1;
     s->seg = -1;
     s->reserve = 16;
     return 0;
@@ -527,25 +539,48 @@ static PyObject *seg_remember(Segment *s, PyObject *const *args, Py_ssize_t narg
         return NULL;
     }
     PyObject *dst = args[0], *fp = args[1], *f = args[2], *dtype = args[3];
-    long long g[4];
-    if (!PyTuple_Check(f) || PyTuple_GET_SIZE(f) != 4) {
-        PyErr_SetString(PyExc_TypeError, "remember: f is (ptr, rows, width, pitch)");
-        return NULL;
+    long long g[4] = {0};
+    addr_t ptr = 0;
+    if (f != Py_None) {
+        if (!PyTuple_Check(f) || PyTuple_GET_SIZE(f) != 4) {
+            PyErr_SetString(PyExc_TypeError, "remember: f is (ptr, rows, width, pitch) or None");
+            return NULL;
+        }
+        ptr = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(f, 0));
+        for (int i = 1; i < 4; i++) g[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(f, i));
+        if (PyErr_Occurred()) return NULL;
     }
-    addr_t ptr = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(f, 0));
-    for (int i = 1; i < 4; i++) g[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(f, i));
-    if (PyErr_Occurred()) return NULL;
+    PyObject *isz = PyObject_GetAttrString(dtype, "itemsize");
+    if (!isz) return NULL;
+    long long itemsize = PyLong_AsLongLong(isz);
+    Py_DECREF(isz);
+    if (itemsize == -1 && PyErr_Occurred()) return NULL;
     Cached *c = cached_new(dst, fp, dtype);
     if (!c) {
         if (PyErr_Occurred()) return NULL;
         Py_RETURN_NONE;
     }
+    c->itemsize = itemsize;
     c->geom = Py_NewRef(f);
-    c->ptr = ptr; c->rows = g[1]; c->width = g[2]; c->pitch = g[3];
-    c->lo = ptr;
-    c->hi = ptr + (addr_t)((g[1] - 1) * g[3] + g[2]);
-    c->nbytes = g[1] * g[2];
-    c->kind = g[1] == 1 ? KIND_H2D : KIND_H2D_2D;
+    if (f != Py_None) {
+        c->ptr = ptr; c->rows = g[1]; c->width = g[2]; c->pitch = g[3];
+        c->lo = ptr;
+        c->hi = ptr + (addr_t)((g[1] - 1) * g[3] + g[2]);
+        c->nbytes = g[1] * g[2];
+        c->kind = g[1] == 1 ? KIND_H2D : KIND_H2D_2D;
+    }
+    PyObject *vspec = PyObject_GetAttr(fp, s_view);
+    if (!vspec) PyErr_Clear();
+    else if (PyTuple_Check(vspec) && PyTuple_GET_SIZE(vspec) == 9) {
+        /* views of this array may be made afresh each step: remember how to read one */
+        c->vdtype = PyObject_GetAttr(dst, PyTuple_GET_ITEM(vspec, 7));
+        if (!c->vdtype || PyDict_SetItem(s->vtypes, (PyObject *)Py_TYPE(dst), vspec) < 0) {
+            Py_DECREF(vspec);
+            Py_DECREF(c);
+            return NULL;
+        }
+    }
+    Py_XDECREF(vspec);
     if (PyDict_GET_SIZE(s->dcache) >= DCACHE_MAX) PyDict_Clear(s->dcache);
     PyObject *key = PyLong_FromVoidPtr(dst);
     int r = key ? PyDict_SetItem(s->dcache, key, (PyObject *)c) : -1;
@@ -661,6 +696,117 @@ static PyObject *seg_append_h2d(Segment *s, PyObject *const *args, Py_ssize_t na
     return PyBool_FromLong(r);
 }
 
+static void seg_open(Segment *s);
+
+/* A destination's geometry for one call: from its cache entry, or computed from
+ * a view's own attributes when its base is cached. */
+typedef struct {
+    addr_t ptr, lo, hi;
+    int64_t rows, width, pitch, nbytes;
+    int kind;
+    PyObject *dtype; /* borrowed from the cache entry */
+    PyObject *geom;  /* new reference */
+} Geo;
+
+/* _layout.form: a view as rows of width bytes, pitch apart; 0 when it is not one */
+static int form(const int64_t *shape, const int64_t *strides, int ndim, int64_t itemsize,
+                int64_t *rows_out, int64_t *width_out, int64_t *pitch_out) {
+    int64_t n_[16], s_[16];
+    int k = 0;
+    for (int i = 0; i < ndim; i++)
+        if (shape[i] != 1) { n_[k] = shape[i]; s_[k] = strides[i]; k++; }
+    if (!k) { *rows_out = 1; *width_out = *pitch_out = itemsize; return 1; }
+    if (s_[k - 1] != itemsize) { n_[k] = 1; s_[k] = itemsize; k++; }
+    int64_t width = itemsize;
+    while (k && s_[k - 1] == width) { width *= n_[k - 1]; k--; }
+    if (!k) { *rows_out = 1; *width_out = *pitch_out = width; return 1; }
+    int64_t rows = n_[k - 1], pitch = s_[k - 1];
+    for (int i = k - 2; i >= 0; i--) {
+        if (s_[i] != pitch * rows) return 0;
+        rows *= n_[i];
+    }
+    if (pitch < width) return 0;
+    *rows_out = rows; *width_out = width; *pitch_out = pitch;
+    return 1;
+}
+
+static PyObject *get(PyObject *x, PyObject *name, int call) {
+    return call ? PyObject_CallMethodNoArgs(x, name) : PyObject_GetAttr(x, name);
+}
+
+static int ints(PyObject *seq, int64_t *out, int max) {
+    PyObject *f = PySequence_Fast(seq, "");
+    if (!f) return -1;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(f);
+    if (n > max) { Py_DECREF(f); return -1; }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        out[i] = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(f, i));
+        if (out[i] == -1 && PyErr_Occurred()) { Py_DECREF(f); return -1; }
+    }
+    Py_DECREF(f);
+    return (int)n;
+}
+
+/* The view protocol a fingerprint function may declare (``__cucopy_view__``):
+ * (base, ptr, ptr_call, shape, strides, strides_call, strides_in_elements, dtype, flags)
+ * where flags name methods that must return False. 1 found, 0 not, -1 error. */
+static int view_geo(Segment *s, PyObject *dst, PyObject *vspec, Geo *g) {
+    if (!PyTuple_Check(vspec) || PyTuple_GET_SIZE(vspec) != 9) return 0;
+    PyObject *base = PyObject_GetAttr(dst, PyTuple_GET_ITEM(vspec, 0));
+    if (!base) { PyErr_Clear(); return 0; }
+    if (base == Py_None) { Py_DECREF(base); return 0; }
+    PyObject *key = PyLong_FromVoidPtr(base);
+    if (!key) { Py_DECREF(base); return -1; }
+    Cached *b = (Cached *)PyDict_GetItemWithError(s->dcache, key);
+    Py_DECREF(key);
+    int ok = 0;
+    PyObject *dt = NULL, *p = NULL, *shape = NULL, *strides = NULL;
+    if (!b || !weak_is(b->ref, base) || !b->vdtype) goto out;
+    dt = PyObject_GetAttr(dst, PyTuple_GET_ITEM(vspec, 7));
+    if (!dt) goto out;
+    int eq = dt == b->vdtype ? 1 : PyObject_RichCompareBool(dt, b->vdtype, Py_EQ);
+    if (eq != 1) goto out;
+    PyObject *flags = PyTuple_GET_ITEM(vspec, 8);
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(flags); i++) {
+        PyObject *v = PyObject_CallMethodNoArgs(dst, PyTuple_GET_ITEM(flags, i));
+        if (!v) goto out;
+        Py_DECREF(v);
+        if (v != Py_False) goto out;
+    }
+    p = get(dst, PyTuple_GET_ITEM(vspec, 1), PyTuple_GET_ITEM(vspec, 2) == Py_True);
+    shape = p ? PyObject_GetAttr(dst, PyTuple_GET_ITEM(vspec, 3)) : NULL;
+    strides = shape ? get(dst, PyTuple_GET_ITEM(vspec, 4), PyTuple_GET_ITEM(vspec, 5) == Py_True)
+                    : NULL;
+    if (!strides) goto out;
+    addr_t ptr = PyLong_AsUnsignedLongLong(p);
+    if (PyErr_Occurred()) goto out;
+    int64_t sh[16], st[16];
+    int nd = ints(shape, sh, 16), ns = ints(strides, st, 16);
+    if (nd < 0 || ns != nd) goto out;
+    int64_t numel = 1;
+    for (int i = 0; i < nd; i++) {
+        numel *= sh[i];
+        if (PyTuple_GET_ITEM(vspec, 6) == Py_True) st[i] *= b->itemsize;
+    }
+    if (numel <= 0) goto out;
+    if (!form(sh, st, nd, b->itemsize, &g->rows, &g->width, &g->pitch)) goto out;
+    g->ptr = g->lo = ptr;
+    g->hi = ptr + (addr_t)((g->rows - 1) * g->pitch + g->width);
+    g->nbytes = g->rows * g->width;
+    g->kind = g->rows == 1 ? KIND_H2D : KIND_H2D_2D;
+    g->dtype = b->dtype;
+    g->geom = Py_BuildValue("(KLLL)", (unsigned long long)ptr, (long long)g->rows,
+                            (long long)g->width, (long long)g->pitch);
+    ok = g->geom ? 1 : -1;
+out:
+    if (ok == 0) PyErr_Clear();
+    Py_XDECREF(dt); Py_XDECREF(p); Py_XDECREF(shape); Py_XDECREF(strides);
+    Py_DECREF(base);
+    return ok;
+}
+
+static void seg_open(Segment *s);
+
 static PyObject *seg_try_h2d(Segment *s, PyObject *const *args, Py_ssize_t nargs) {
     /* try_h2d(site, dst, src, on_drop) -> MISS / STAGED / BARRIER */
     if (nargs != 4) {
@@ -668,7 +814,9 @@ static PyObject *seg_try_h2d(Segment *s, PyObject *const *args, Py_ssize_t nargs
         return NULL;
     }
     PyObject *site = args[0], *dst = args[1], *src = args[2], *on_drop = args[3];
-    if (!s->bound || s->seg < 0) return PyLong_FromLong(MISS);
+    if (!s->fast || !s->bound || s->owner != PyThread_get_thread_ident() ||
+        (on_drop != Py_None && !PyCallable_Check(on_drop)))
+        return PyLong_FromLong(MISS);
     int in = contains(s->merge, site);
     if (in != 1) {
         if (in < 0) PyErr_Clear();
@@ -678,51 +826,72 @@ static PyObject *seg_try_h2d(Segment *s, PyObject *const *args, Py_ssize_t nargs
     if (!key) return NULL;
     Cached *c = (Cached *)PyDict_GetItemWithError(s->dcache, key);
     Py_DECREF(key);
-    if (!c) {
-        if (PyErr_Occurred()) return NULL;
-        return PyLong_FromLong(MISS);
-    }
-    Py_INCREF(c);
+    Geo g;
     int r = 0;
-    if (!cached_valid(c, dst)) goto miss;
+    if (c) {
+        if (!c->kind || !cached_valid(c, dst)) return PyLong_FromLong(MISS);
+        g.ptr = c->ptr; g.lo = c->lo; g.hi = c->hi; g.rows = c->rows; g.width = c->width;
+        g.pitch = c->pitch; g.nbytes = c->nbytes; g.kind = c->kind; g.dtype = c->dtype;
+        g.geom = Py_NewRef(c->geom);
+    } else {
+        if (PyErr_Occurred()) return NULL;
+        /* a view made afresh (buf[:n]) of a cached buffer */
+        PyObject *vspec = PyDict_GetItemWithError(s->vtypes, (PyObject *)Py_TYPE(dst));
+        if (!vspec) {
+            if (PyErr_Occurred()) return NULL;
+            return PyLong_FromLong(MISS);
+        }
+        Py_INCREF(vspec);
+        r = view_geo(s, dst, vspec, &g);
+        Py_DECREF(vspec);
+        if (r <= 0) return r < 0 ? NULL : PyLong_FromLong(MISS);
+        r = 0;
+    }
+    Py_INCREF(g.dtype);
+    if (s->seg < 0) seg_open(s);
     if ((PyObject *)Py_TYPE(src) == ndarray_type) {
         PyObject *dt = PyObject_GetAttr(src, s_dtype);
         if (!dt) { PyErr_Clear(); goto miss; }
-        int eq = dt == c->dtype ? 1 : PyObject_RichCompareBool(dt, c->dtype, Py_EQ);
+        int eq = dt == g.dtype ? 1 : PyObject_RichCompareBool(dt, g.dtype, Py_EQ);
         Py_DECREF(dt);
         if (eq != 1) { if (eq < 0) PyErr_Clear(); goto miss; }
         Py_buffer b;
         if (PyObject_GetBuffer(src, &b, PyBUF_C_CONTIGUOUS) < 0) { PyErr_Clear(); goto miss; }
-        if (b.len == c->nbytes)
-            r = append_raw(s, site, on_drop, c->ptr, c->rows, c->width, c->pitch, c->lo, c->hi,
-                           c->nbytes, c->kind, b.buf, c->geom);
+        if (b.len == g.nbytes)
+            r = append_raw(s, site, on_drop, g.ptr, g.rows, g.width, g.pitch, g.lo, g.hi,
+                           g.nbytes, g.kind, b.buf, g.geom);
         PyBuffer_Release(&b);
     } else {
         key = PyLong_FromVoidPtr(src);
-        if (!key) { Py_DECREF(c); return NULL; }
+        if (!key) goto fail;
         Cached *sc = (Cached *)PyDict_GetItemWithError(s->scache, key);
         Py_DECREF(key);
-        if (!sc) { if (PyErr_Occurred()) { Py_DECREF(c); return NULL; } goto miss; }
+        if (!sc) { if (PyErr_Occurred()) goto fail; goto miss; }
         Py_INCREF(sc);
-        if (sc->nbytes == c->nbytes && cached_valid(sc, src)) {
-            int eq = sc->dtype == c->dtype ? 1 : PyObject_RichCompareBool(sc->dtype, c->dtype, Py_EQ);
+        if (sc->nbytes == g.nbytes && cached_valid(sc, src)) {
+            int eq = sc->dtype == g.dtype ? 1 : PyObject_RichCompareBool(sc->dtype, g.dtype, Py_EQ);
             if (eq < 0) PyErr_Clear();
             if (eq == 1)
-                r = append_raw(s, site, on_drop, c->ptr, c->rows, c->width, c->pitch, c->lo,
-                               c->hi, c->nbytes, c->kind, (const void *)(intptr_t)sc->ptr,
-                               c->geom);
+                r = append_raw(s, site, on_drop, g.ptr, g.rows, g.width, g.pitch, g.lo, g.hi,
+                               g.nbytes, g.kind, (const void *)(uintptr_t)sc->ptr, g.geom);
         }
         Py_DECREF(sc);
     }
-    Py_DECREF(c);
+    Py_DECREF(g.dtype);
+    Py_DECREF(g.geom);
     if (r < 0) return NULL;
     if (r == 0) return PyLong_FromLong(MISS);
     in = contains(s->barriers, site);
     if (in < 0) return NULL;
     return PyLong_FromLong(in ? BARRIER : STAGED);
 miss:
-    Py_DECREF(c);
+    Py_DECREF(g.dtype);
+    Py_DECREF(g.geom);
     return PyLong_FromLong(MISS);
+fail:
+    Py_DECREF(g.dtype);
+    Py_DECREF(g.geom);
+    return NULL;
 }
 
 static void seg_open(Segment *s) {
@@ -1112,6 +1281,7 @@ static int seg_set_fast(Segment *s, PyObject *v, void *c) {
     int b = PyObject_IsTrue(v);
     if (b < 0) return -1;
     s->fast = b;
+    s->owner = PyThread_get_thread_ident(); /* set by the thread that opens the step */
     return 0;
 }
 
@@ -1121,7 +1291,8 @@ static PyGetSetDef seg_getset[] = {
     {"seg", (getter)seg_get_seg, NULL, "The open segment's slot offset (-1: none).", NULL},
     {"cursor", (getter)seg_get_cursor, NULL, "Next free data byte of the slot.", NULL},
     {"reserve", (getter)seg_get_reserve, NULL, "Descriptors reserved per segment.", NULL},
-    {"fast", (getter)seg_get_fast, (setter)seg_set_fast, "The fast path may be taken.", NULL},
+    {"fast", (getter)seg_get_fast, (setter)seg_set_fast,
+     "The fast path may be taken (by the thread that set it).", NULL},
     {NULL},
 };
 
@@ -1182,7 +1353,8 @@ PyMODINIT_FUNC PyInit__segment(void) {
     s_dtype = PyUnicode_InternFromString("dtype");
     s_spec = PyUnicode_InternFromString("__cucopy_spec__");
     s_merged = PyUnicode_InternFromString("merged");
-    if (!s_dtype || !s_spec || !s_merged) return NULL;
+    s_view = PyUnicode_InternFromString("__cucopy_view__");
+    if (!s_dtype || !s_spec || !s_merged || !s_view) return NULL;
     PyObject *m = PyModule_Create(&moduledef);
     if (!m) return NULL;
     if (PyModule_AddObjectRef(m, "Segment", (PyObject *)&SegmentType) < 0 ||

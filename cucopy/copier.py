@@ -153,6 +153,7 @@ class DeviceCopier:
         # the open segment: staging, ordering, encoding (compiled when built)
         merge_h2d = frozenset(s for s in self._merge if s.direction is _H2D)
         self._seg = Segment(merge_h2d, self._barriers, self.stats.sites)
+        self._try_h2d = self._seg.try_h2d
         # collected without close(): the ring is set aside, not freed by the collector
         self._finalizer = weakref.finalize(self, orphan, self._ring)
         check.register(self)
@@ -447,14 +448,10 @@ class DeviceCopier:
         TypeError, ValueError, CopyError
             Bad input, naming the site and the offending value; nothing staged is lost.
         """
-        seg = self._seg
-        if (
-            seg.fast
-            and not unchanged
-            and self._owner == _get_ident()
-            and (on_drop is None or callable(on_drop))
-        ):
-            r = seg.try_h2d(site, dst, src, on_drop)
+        if not unchanged:
+            # the fast path: a merged H2D copy into a known destination, staged in C
+            # (it checks the step, the thread and on_drop itself)
+            r = self._try_h2d(site, dst, src, on_drop)
             if r:
                 if r == BARRIER:
                     self._flush_segment()
@@ -469,6 +466,7 @@ class DeviceCopier:
             f = _layout.form(d.ptr, d.shape, d.strides, d.dtype.itemsize) if fp else None
             if f is not None:
                 self._seg.remember(dst, fp, f, d.dtype, d.size)
+                self._remember_base(site, dst, fp)
             if type(src) is not np.ndarray and s.host is not None and src is not s:
                 fp = fingerprint_fn(src)  # a torch CPU tensor: its bytes found by identity
                 if fp is not None:
@@ -490,6 +488,19 @@ class DeviceCopier:
         if direction is _H2D:
             return self._h2d(site, d, s, on_drop)
         return self._d2d(site, d, s, on_drop)
+
+    def _remember_base(self, site, dst, fp) -> None:
+        """Cache the array ``dst`` is a view of, so views made afresh each step are fast."""
+        view = getattr(fp, "__cucopy_view__", None)
+        base = getattr(dst, view[0], None) if view is not None else None
+        if base is None:
+            return
+        try:
+            b = self._dst(site, base)
+        except (TypeError, ValueError):
+            return
+        f = _layout.form(b.ptr, b.shape, b.strides, b.dtype.itemsize)
+        self._seg.remember(base, fp, f, b.dtype, b.size)
 
     def fill_tail(
         self, site: CopySite, dst, start: int, value, *, unchanged: bool = False, on_drop=None

@@ -20,10 +20,12 @@ from __future__ import annotations
 import bisect
 import os
 import weakref
+from threading import get_ident as _get_ident
 
 from numpy import ndarray as _ndarray
 
 from . import pack
+from ._layout import form as _form
 
 __all__ = [
     "PySegment",
@@ -166,7 +168,8 @@ class PySegment:
         "merge",
         "barriers",
         "sites",
-        "fast",
+        "_fast",
+        "owner",
         "slot",
         "mv",
         "top",
@@ -183,13 +186,15 @@ class PySegment:
         "exact",
         "dcache",
         "scache",
+        "vtypes",
     )
 
     def __init__(self, merge, barriers, sites):
         self.merge = merge
         self.barriers = barriers
         self.sites = sites
-        self.fast = False  # set by the copier: a step is open, not capturing, no checker
+        self._fast = False
+        self.owner = None
         self.slot = None
         self.mv = None
         self.top = self.bottom = self.cursor = 0
@@ -204,6 +209,21 @@ class PySegment:
         self.exact: dict = {}
         self.dcache: dict = {}
         self.scache: dict = {}
+        self.vtypes: dict = {}  # type -> view protocol (see _view)
+
+    @property
+    def fast(self) -> bool:
+        """The fast path may be taken, by the thread that set this.
+
+        The copier sets it at ``begin()`` when the step is open, not capturing and
+        not checked, and clears it when the step ends.
+        """
+        return self._fast
+
+    @fast.setter
+    def fast(self, value: bool) -> None:
+        self._fast = bool(value)
+        self.owner = _get_ident()
 
     # -- the slot ------------------------------------------------------------------------
 
@@ -249,9 +269,12 @@ class PySegment:
         dst : array
             The destination (held by weak reference).
         fp : callable
-            Returns a value that changes whenever ``dst``'s geometry may have.
-        f : tuple
-            ``(ptr, rows, width, pitch)``, its 2-D form.
+            Returns a value that changes whenever ``dst``'s geometry may have. When
+            it has ``__cucopy_view__`` (the view protocol, see :meth:`_view`), views
+            of ``dst`` made afresh are read from their own attributes.
+        f : tuple or None
+            ``(ptr, rows, width, pitch)``, its 2-D form (None: it has none, and is
+            cached only as the base of its views).
         dtype : numpy.dtype
         size : int
             Elements.
@@ -263,6 +286,14 @@ class PySegment:
         cache = self.dcache
         if len(cache) >= DCACHE_MAX:
             cache.clear()
+        view = getattr(fp, "__cucopy_view__", None)
+        vdtype = None
+        if view is not None:
+            vdtype = getattr(dst, view[7])
+            self.vtypes[type(dst)] = view
+        if f is None:
+            cache[id(dst)] = (ref, fp, fp(dst), None, 0, 0, 0, dtype, size, 0, vdtype)
+            return
         ptr, rows, width, pitch = f
         kind = _KIND_H2D if rows == 1 else _KIND_H2D_2D
         cache[id(dst)] = (
@@ -276,7 +307,52 @@ class PySegment:
             dtype,
             size,
             kind,
+            vdtype,
         )
+
+    def _view(self, dst):
+        """The cache entry of a view of a cached array, read from its own attributes.
+
+        The view protocol (a fingerprint function's ``__cucopy_view__``) is
+        ``(base, ptr, ptr_call, shape, strides, strides_call, strides_in_elements,
+        dtype, flags)``: the attribute naming the array a view is of, how to read
+        its address, shape and strides, its dtype attribute (must equal the
+        base's), and methods that must return False (torch's ``is_neg``). Returns
+        None when ``dst`` is not such a view (the general path then resolves it).
+        """
+        view = self.vtypes.get(type(dst))
+        if view is None:
+            return None
+        base_name, ptr_name, ptr_call, shape_name, st_name, st_call, elems, dt_name, flags = view
+        base = getattr(dst, base_name, None)
+        b = self.dcache.get(id(base)) if base is not None else None
+        if b is None or b[0]() is not base or b[10] is None:
+            return None
+        try:
+            if getattr(dst, dt_name) != b[10] or any(getattr(dst, m)() for m in flags):
+                return None
+            ptr = getattr(dst, ptr_name)
+            ptr = ptr() if ptr_call else ptr
+            shape = tuple(getattr(dst, shape_name))
+            strides = getattr(dst, st_name)
+            strides = tuple(strides() if st_call else strides)
+        except Exception:
+            return None
+        dtype = b[7]
+        if elems:
+            strides = tuple(s * dtype.itemsize for s in strides)
+        size = 1
+        for n in shape:
+            size *= n
+        if size <= 0 or len(strides) != len(shape):
+            return None
+        f = _form(ptr, shape, strides, dtype.itemsize)
+        if f is None:
+            return None
+        ptr, rows, width, pitch = f
+        kind = _KIND_H2D if rows == 1 else _KIND_H2D_2D
+        hi = ptr + (rows - 1) * pitch + width
+        return (None, None, None, f, ptr, hi, rows * width, dtype, size, kind, None)
 
     def remember_src(self, src, fp, host, dtype) -> None:
         """Cache a host source that is not a NumPy array (a torch CPU tensor) by identity.
@@ -322,11 +398,22 @@ class PySegment:
         int
             :data:`STAGED`, :data:`BARRIER` (staged; the site is a barrier) or :data:`MISS`.
         """
-        if site not in self.merge:
+        if (
+            not self._fast
+            or self.owner != _get_ident()
+            or site not in self.merge
+            or (on_drop is not None and not callable(on_drop))
+        ):
             return MISS
         ent = self.dcache.get(id(dst))
-        if ent is None or ent[0]() is not dst or ent[1](dst) != ent[2]:
+        if ent is None:
+            ent = self._view(dst)  # a view made afresh (buf[:n]) of a cached array
+            if ent is None:
+                return MISS
+        elif ent[0]() is not dst or ent[1](dst) != ent[2] or ent[3] is None:
             return MISS
+        if self.seg < 0 and self.slot is not None:
+            self._open()
         if type(src) is not _ndarray:
             # a source seen before (a torch CPU tensor), still what it was
             s = self.scache.get(id(src))

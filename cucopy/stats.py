@@ -81,8 +81,11 @@ class CopyStats:
         self.modes = {"dma": 0, "mapped": 0, "inline": 0}
 
     def reset(self) -> None:
-        """Zero every counter."""
+        """Zero every counter (``sites`` is cleared in place: the copier's segment counts into it)."""
+        sites = self.sites
         self.__init__()
+        sites.clear()
+        self.sites = sites
 
     def as_dict(self) -> dict:
         """Counters as plain values, sites keyed by ``Class.MEMBER``."""

@@ -229,3 +229,18 @@ fingerprint.__cucopy_spec__ = (
     ("stride", True),
     ("dtype", False),
 )
+# How to read a view made afresh (``buf[:n]``) of a tensor seen before: its base
+# (``_base``), address (``data_ptr()``), ``shape`` and ``stride()`` in elements, and
+# its ``dtype``, which must be the base's; ``is_neg()`` and ``is_conj()`` must be
+# False (their bytes are not their values). See cucopy.segment.
+fingerprint.__cucopy_view__ = (
+    "_base",
+    "data_ptr",
+    True,
+    "shape",
+    "stride",
+    True,
+    True,
+    "dtype",
+    ("is_neg", "is_conj"),
+)

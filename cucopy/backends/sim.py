@@ -71,13 +71,14 @@ class SimMemoryError(CopyError):
 class SimArray:
     """An array in simulated device memory; basic indexing returns views."""
 
-    __slots__ = ("device", "_view", "_alloc", "_base", "_ptr", "_info", "__weakref__")
+    __slots__ = ("device", "_view", "_alloc", "_base", "_ptr", "_info", "_root", "__weakref__")
 
-    def __init__(self, device, view, alloc, base):
+    def __init__(self, device, view, alloc, base, root=None):
         self.device = device
         self._view = view
         self._alloc = alloc
         self._base = base
+        self._root = root  # the array this is a view of (None: not a view)
         self._ptr = base + (view.__array_interface__["data"][0] - alloc.ctypes.data)
         self._info = None
 
@@ -100,7 +101,7 @@ class SimArray:
         v = self._view[idx]
         if not isinstance(v, np.ndarray) or not np.may_share_memory(v, self._alloc):
             raise TypeError(f"{self!r}: only basic indexing (views) is supported, got {idx!r}")
-        return SimArray(self.device, v, self._alloc, self._base)
+        return SimArray(self.device, v, self._alloc, self._base, self._root or self)
 
     def __setitem__(self, idx, value) -> None:
         # a blocking write, as cudaMemcpy on the legacy default stream
@@ -110,17 +111,39 @@ class SimArray:
     @property
     def T(self) -> SimArray:  # noqa: N802 (NumPy's name)
         """The transposed view."""
-        return SimArray(self.device, self._view.T, self._alloc, self._base)
+        return SimArray(self.device, self._view.T, self._alloc, self._base, self._root or self)
 
     def reshape(self, *shape) -> SimArray:
         """A reshaped view (no copy; raises if one is impossible)."""
         v = self._view.view()
         v.shape = shape[0] if len(shape) == 1 and isinstance(shape[0], tuple) else shape
-        return SimArray(self.device, v, self._alloc, self._base)
+        return SimArray(self.device, v, self._alloc, self._base, self._root or self)
 
     def view(self, dtype) -> SimArray:
         """Reinterpret the bytes with another dtype."""
-        return SimArray(self.device, self._view.view(dtype), self._alloc, self._base)
+        return SimArray(
+            self.device, self._view.view(dtype), self._alloc, self._base, self._root or self
+        )
+
+    @staticmethod
+    def __cucopy_fingerprint__(x) -> None:
+        """A view's geometry never changes: nothing to revalidate (see ``fingerprint_fn``)."""
+        return None
+
+    # for the compiled segment: nothing to read, and how to read a view made afresh
+    # (``d[:n]``) of an array seen before (cucopy.segment, view protocol)
+    __cucopy_fingerprint__.__func__.__cucopy_spec__ = ()
+    __cucopy_fingerprint__.__func__.__cucopy_view__ = (
+        "_root",
+        "ptr",
+        False,
+        "shape",
+        "strides",
+        False,
+        False,
+        "dtype",
+        (),
+    )
 
     def __cucopy_array__(self) -> ArrayInfo:
         # a view's geometry never changes, so one description serves every call
