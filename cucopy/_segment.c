@@ -1272,6 +1272,7 @@ static PyObject *seg_get_staged(Segment *s, void *c) {
 }
 
 static PyObject *seg_get_entries(Segment *s, void *c) { return Py_NewRef(s->entries); }
+static PyObject *seg_get_slot(Segment *s, void *c) { return Py_NewRef(s->slot ? s->slot : Py_None); }
 static PyObject *seg_get_seg(Segment *s, void *c) { return PyLong_FromLongLong(s->seg); }
 static PyObject *seg_get_cursor(Segment *s, void *c) { return PyLong_FromLongLong(s->cursor); }
 static PyObject *seg_get_reserve(Segment *s, void *c) { return PyLong_FromLongLong(s->reserve); }
@@ -1288,6 +1289,7 @@ static int seg_set_fast(Segment *s, PyObject *v, void *c) {
 static PyGetSetDef seg_getset[] = {
     {"staged", (getter)seg_get_staged, NULL, "Copies staged in the open segment.", NULL},
     {"entries", (getter)seg_get_entries, NULL, "The open segment's entries.", NULL},
+    {"slot", (getter)seg_get_slot, NULL, "The slot staged into (None: unbound).", NULL},
     {"seg", (getter)seg_get_seg, NULL, "The open segment's slot offset (-1: none).", NULL},
     {"cursor", (getter)seg_get_cursor, NULL, "Next free data byte of the slot.", NULL},
     {"reserve", (getter)seg_get_reserve, NULL, "Descriptors reserved per segment.", NULL},

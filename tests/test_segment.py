@@ -1,0 +1,213 @@
+"""The open segment's two twins: compiled (cucopy._segment) and pure Python (PySegment).
+
+The whole suite runs on whichever :data:`cucopy.segment.Segment` is (CI runs it
+twice, once with ``CUCOPY_PURE_PYTHON=1``); the tests here put the two side by
+side in one process: the same seeded programs must stage the same bytes, encode
+the same segments and count the same, and the fast paths (torch CPU sources,
+views made afresh of a known array) must take what they promise to take.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+from test_properties import Program, RandomDraw
+
+import cucopy as cc
+import cucopy.copier as copier_module
+from cucopy import pack, segment
+from cucopy.backends.sim import _SPACE, SimDevice
+
+try:
+    from cucopy._segment import Segment as CSegment
+except ImportError:  # no compiler where this runs: only the reference is tested
+    CSegment = None
+
+TWINS = [pytest.param(segment.PySegment, id="python")]
+if CSegment is not None:
+    TWINS.append(pytest.param(CSegment, id="compiled"))
+
+
+class Site(cc.CopySite):
+    A = cc.H2D
+    B = cc.H2D
+    C = cc.H2D
+    PLAIN = cc.H2D
+
+
+PLAN = cc.CopyPlan(merge={Site.A, Site.B, Site.C}, flush_after={Site.C})
+
+
+def test_the_compiled_twin_is_the_one_in_use():
+    # CI's normal run must exercise the compiled path; CUCOPY_PURE_PYTHON=1 the reference
+    if os.environ.get("CUCOPY_PURE_PYTHON"):
+        assert segment.IMPLEMENTATION == "python"
+        assert segment.Segment is segment.PySegment
+    else:
+        assert CSegment is not None, (
+            "cucopy._segment is not built (pip install -e . with a C compiler)"
+        )
+        assert segment.IMPLEMENTATION == "compiled"
+        assert segment.Segment is CSegment
+        c = cc.DeviceCopier(PLAN, device=SimDevice(), backend="sim")
+        assert type(c._seg) is CSegment
+        c.close()
+
+
+class Recorder:
+    """Wraps a segment; records every encoded segment's bytes and block count."""
+
+    def __init__(self, seg, log):
+        object.__setattr__(self, "_s", seg)
+        object.__setattr__(self, "_log", log)
+
+    def __getattr__(self, name):
+        return getattr(self._s, name)
+
+    def __setattr__(self, name, value):
+        setattr(self._s, name, value)
+
+    def cut(self, inline_max):
+        start, end, nblocks, n = self._s.cut(inline_max)
+        raw = bytes(self._s.slot.array[start:end])
+        header, descs = pack.decode(raw)
+        descs = descs.copy()
+        # each SimDevice has its own address space: compare addresses within it
+        descs["dst"] &= _SPACE - 1
+        d2d = descs["kind"] == pack.KIND_D2D
+        descs["src"][d2d] &= _SPACE - 1
+        # the bytes each H2D descriptor reads (padding between them is never read)
+        data = [
+            raw[int(d["src"]) + r * int(d["src_pitch"]) :][: int(d["width"])]
+            for d in descs
+            if d["kind"] in (pack.KIND_H2D, pack.KIND_H2D_2D)
+            for r in range(int(d["rows"]))
+        ]
+        self._log.append((header.tobytes(), descs.tobytes(), data, nblocks, n))
+        return start, end, nblocks, n
+
+
+def _run_program(monkeypatch, cls, seed, steps):
+    log = []
+    monkeypatch.setattr(copier_module, "Segment", lambda *a: Recorder(cls(*a), log))
+    prog = Program(SimDevice(policy="lazy", seed=seed), RandomDraw(seed), check_mode=False)
+    figs = prog.run(steps=steps)
+    stats = prog.copier.stats.as_dict()
+    return log, figs, stats
+
+
+@pytest.mark.skipif(CSegment is None, reason="the compiled twin is not built")
+@pytest.mark.parametrize("seed", range(4))
+def test_twins_encode_the_same_segments(monkeypatch, seed):
+    py_log, py_figs, py_stats = _run_program(monkeypatch, segment.PySegment, seed, 60)
+    c_log, c_figs, c_stats = _run_program(monkeypatch, CSegment, seed, 60)
+    assert py_figs["mismatches"] == c_figs["mismatches"] == 0
+    assert len(py_log) == len(c_log) > 0
+    for i, (a, b) in enumerate(zip(py_log, c_log)):
+        assert a == b, f"segment {i} differs"
+    assert py_stats == c_stats
+
+
+@pytest.fixture(params=TWINS)
+def twin(request, monkeypatch):
+    monkeypatch.setattr(copier_module, "Segment", request.param)
+    return request.param
+
+
+def _spy(c):
+    """Count copies the general path resolves (the fast path resolves nothing)."""
+    calls = []
+    orig = c._dst
+
+    def spy(site, dst):
+        calls.append(site)
+        return orig(site, dst)
+
+    c._dst = spy
+    return calls
+
+
+def test_views_made_afresh_take_the_fast_path(twin):
+    dev = SimDevice(policy="lazy")
+    c = cc.DeviceCopier(PLAN, stream=dev.default_stream, device=dev, backend="sim")
+    buf = dev.zeros((64,), np.int32)
+    table = dev.zeros((8, 16), np.int32)
+    with c.step():  # first sight: resolved, and the arrays they are views of cached
+        c.copy(Site.A, buf[:5], np.arange(5, dtype=np.int32))
+        c.copy(Site.B, table[:2, :3], np.arange(6, dtype=np.int32).reshape(2, 3))
+    calls = _spy(c)
+    for n in (3, 7, 9):
+        with c.step():
+            c.copy(Site.A, buf[:n], np.arange(n, dtype=np.int32) + n)
+            c.copy(Site.B, table[1 : n // 2 + 1, 2:5], np.full((n // 2, 3), n, np.int32))
+        host = dev.to_host(buf)
+        assert host[:n].tolist() == list(range(n, 2 * n))
+        assert dev.to_host(table)[1 : n // 2 + 1, 2:5].tolist() == [[n] * 3] * (n // 2)
+    assert calls == []  # never resolved again
+    # a view of another dtype is not the base's: the general path checks it
+    with c.step():
+        c.copy(Site.A, buf.view(np.float32)[:2], np.ones(2, np.float32))
+    assert calls and set(calls) == {Site.A}
+    assert dev.to_host(buf)[:2].view(np.float32).tolist() == [1.0, 1.0]
+    # a strided view with no 2-D form, and a mismatched source, go the general way too
+    with pytest.raises(ValueError, match="size mismatch"):
+        with c.step():
+            c.copy(Site.A, buf[:4], np.arange(5, dtype=np.int32))
+    assert c.stats.sites[Site.A].merged == 5
+    c.close()
+
+
+def test_torch_cpu_sources_take_the_fast_path(twin):
+    torch = pytest.importorskip("torch")
+    dev = SimDevice(policy="lazy")
+    c = cc.DeviceCopier(PLAN, stream=dev.default_stream, device=dev, backend="sim")
+    dst = dev.zeros((6,), np.int32)
+    src = torch.arange(6, dtype=torch.int32)
+    with c.step():
+        c.copy(Site.A, dst, src)
+    calls = _spy(c)
+    for k in range(3):
+        src.fill_(k)  # refilled in place, as an engine's staging tensor is
+        with c.step():
+            c.copy(Site.A, dst, src)
+            src.fill_(99)  # snapshot: the bytes of the call land, not these
+        assert dev.to_host(dst).tolist() == [k] * 6
+        src.fill_(k)
+    assert calls == []
+    # another dtype swapped in through .data: the fingerprint catches it
+    src.data = torch.zeros(6, dtype=torch.float32)
+    with pytest.raises(TypeError, match="dtype mismatch"):
+        with c.step():
+            c.copy(Site.A, dst, src)
+    assert calls and set(calls) == {Site.A}
+    c.close()
+
+
+def test_counts_survive_a_stats_reset(twin):
+    dev = SimDevice(policy="lazy")
+    c = cc.DeviceCopier(PLAN, stream=dev.default_stream, device=dev, backend="sim")
+    dst = dev.zeros((4,), np.int32)
+    with c.step():
+        c.copy(Site.A, dst, np.arange(4, dtype=np.int32))
+    c.stats.reset()
+    with c.step():
+        c.copy(Site.A, dst, np.arange(4, dtype=np.int32))
+        c.copy(Site.A, dst, np.arange(4, dtype=np.int32))  # replaces the staged one
+    assert c.stats.sites[Site.A].merged == 2
+    c.close()
+
+
+def test_a_descriptor_field_too_wide_fails_the_flush_with_its_site(twin):
+    # a row pitch of 2**32 bytes does not fit the wire format: the flush names the site
+    dev = SimDevice(policy="lazy")
+    c = cc.DeviceCopier(PLAN, stream=dev.default_stream, device=dev, backend="sim")
+    dropped = []
+    with c.step():
+        desc = (1 << 40, 1 << 41, 0, 1 << 32, 4, 4, 2, pack.KIND_D2D, 0, 0)
+        c._seg.stage(Site.A, lambda: dropped.append(1), 0, 1 << 33, None, 0, desc)
+        with pytest.raises(cc.CopyError, match=r"Site\.A: flushing 1 staged copies failed"):
+            c.flush()
+        assert dropped == [1] and c.staged == 0
+    c.close()
