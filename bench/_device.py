@@ -432,6 +432,21 @@ CucopyInline = _cucopy(
 CucopyAuto = _cucopy("cucopy_auto", PLAN, "auto", "merged: inline, mapped or dma by segment size")
 
 
+class CucopyAutoPinned(CucopyAuto):
+    """``cucopy_auto`` from the pinned tensors ``torch_chain`` reads (what a torch engine holds)."""
+
+    name = "cucopy_pinned_src"
+    description = (
+        "cucopy_auto from the pinned torch tensors torch_chain copies (sim: pinned arrays)"
+    )
+
+    def __init__(self, ctx, wl):
+        super().__init__(ctx, wl)
+        for p, v in zip(wl.pinned_np, wl.values):
+            p[:] = v
+        self._pairs = list(zip(wl.dsts, wl.pinned))
+
+
 class TorchChain(Contender):
     """Chained ``dst.copy_(src, non_blocking=True)`` from pinned tensors that hold the values."""
 
@@ -633,6 +648,7 @@ ALL = (
     CucopyMapped,
     CucopyInline,
     CucopyAuto,
+    CucopyAutoPinned,
 )
 
 

@@ -92,6 +92,11 @@ EOF
     echo "source digest $("$PY" bench/digest.py)  (bench/digest.py --find names its commit)"
 }
 
+# the compiled staging core, built here from the tree's sources (the machine's Python
+# differs from CI's; nothing is installed)
+step build_ext 120 "$PY" setup.py build_ext --inplace
+"$PY" -c "import cucopy.segment as s; print('staging path:', s.IMPLEMENTATION)" | tee "$logs/staging.log"
+
 export -f versions
 export PY
 step versions 30 bash -c versions

@@ -807,13 +807,9 @@ out:
 
 static void seg_open(Segment *s);
 
-static PyObject *seg_try_h2d(Segment *s, PyObject *const *args, Py_ssize_t nargs) {
-    /* try_h2d(site, dst, src, on_drop) -> MISS / STAGED / BARRIER */
-    if (nargs != 4) {
-        PyErr_SetString(PyExc_TypeError, "try_h2d(site, dst, src, on_drop)");
-        return NULL;
-    }
-    PyObject *site = args[0], *dst = args[1], *src = args[2], *on_drop = args[3];
+/* try_h2d (skip = 0) and try_skip (skip = 1): the same checks; only try_h2d stages */
+static PyObject *h2d_fast(Segment *s, PyObject *site, PyObject *dst, PyObject *src,
+                          PyObject *on_drop, int skip) {
     if (!s->fast || !s->bound || s->owner != PyThread_get_thread_ident() ||
         (on_drop != Py_None && !PyCallable_Check(on_drop)))
         return PyLong_FromLong(MISS);
@@ -858,8 +854,9 @@ static PyObject *seg_try_h2d(Segment *s, PyObject *const *args, Py_ssize_t nargs
         Py_buffer b;
         if (PyObject_GetBuffer(src, &b, PyBUF_C_CONTIGUOUS) < 0) { PyErr_Clear(); goto miss; }
         if (b.len == g.nbytes)
-            r = append_raw(s, site, on_drop, g.ptr, g.rows, g.width, g.pitch, g.lo, g.hi,
-                           g.nbytes, g.kind, b.buf, g.geom);
+            r = skip ? 1
+                     : append_raw(s, site, on_drop, g.ptr, g.rows, g.width, g.pitch, g.lo, g.hi,
+                                  g.nbytes, g.kind, b.buf, g.geom);
         PyBuffer_Release(&b);
     } else {
         key = PyLong_FromVoidPtr(src);
@@ -871,7 +868,8 @@ static PyObject *seg_try_h2d(Segment *s, PyObject *const *args, Py_ssize_t nargs
         if (sc->nbytes == g.nbytes && cached_valid(sc, src)) {
             int eq = sc->dtype == g.dtype ? 1 : PyObject_RichCompareBool(sc->dtype, g.dtype, Py_EQ);
             if (eq < 0) PyErr_Clear();
-            if (eq == 1)
+            if (eq == 1 && skip) r = 1;
+            else if (eq == 1)
                 r = append_raw(s, site, on_drop, g.ptr, g.rows, g.width, g.pitch, g.lo, g.hi,
                                g.nbytes, g.kind, (const void *)(uintptr_t)sc->ptr, g.geom);
         }
@@ -881,6 +879,7 @@ static PyObject *seg_try_h2d(Segment *s, PyObject *const *args, Py_ssize_t nargs
     Py_DECREF(g.geom);
     if (r < 0) return NULL;
     if (r == 0) return PyLong_FromLong(MISS);
+    if (skip) return PyLong_FromLong(STAGED);
     in = contains(s->barriers, site);
     if (in < 0) return NULL;
     return PyLong_FromLong(in ? BARRIER : STAGED);
@@ -892,6 +891,24 @@ fail:
     Py_DECREF(g.dtype);
     Py_DECREF(g.geom);
     return NULL;
+}
+
+static PyObject *seg_try_h2d(Segment *s, PyObject *const *args, Py_ssize_t nargs) {
+    /* try_h2d(site, dst, src, on_drop) -> MISS / STAGED / BARRIER */
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "try_h2d(site, dst, src, on_drop)");
+        return NULL;
+    }
+    return h2d_fast(s, args[0], args[1], args[2], args[3], 0);
+}
+
+static PyObject *seg_try_skip(Segment *s, PyObject *const *args, Py_ssize_t nargs) {
+    /* try_skip(site, dst, src) -> STAGED (a valid unchanged copy: skip it) or MISS */
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "try_skip(site, dst, src)");
+        return NULL;
+    }
+    return h2d_fast(s, args[0], args[1], args[2], Py_None, 1);
 }
 
 static void seg_open(Segment *s) {
@@ -1311,6 +1328,8 @@ static PyMethodDef seg_methods[] = {
     {"forget", (PyCFunction)seg_forget, METH_NOARGS, "Clear the caches."},
     {"try_h2d", (PyCFunction)(void (*)(void))seg_try_h2d, METH_FASTCALL,
      "Stage an H2D copy on the fast path, or say MISS."},
+    {"try_skip", (PyCFunction)(void (*)(void))seg_try_skip, METH_FASTCALL,
+     "Whether an unchanged H2D copy passes the fast path's checks (then it is skipped)."},
     {"append_h2d", (PyCFunction)(void (*)(void))seg_append_h2d, METH_FASTCALL,
      "Stage host bytes into the open segment."},
     {"stage", (PyCFunction)seg_stage, METH_VARARGS, "Reserve data and place descriptors."},

@@ -456,6 +456,11 @@ class DeviceCopier:
                 if r == BARRIER:
                     self._flush_segment()
                 return True
+        elif self._seg.try_skip(site, dst, src):
+            # a valid unchanged copy of a known destination (not in check mode or
+            # under capture: the segment's fast path is off then)
+            self.stats.sites[site].skipped += 1
+            return False
         if self._closed or (self._in_step and self._owner != _get_ident()):
             self._live(site)
         direction = self._site(site, False)

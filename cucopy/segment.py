@@ -385,7 +385,18 @@ class PySegment:
 
     # -- staging -------------------------------------------------------------------------
 
-    def try_h2d(self, site, dst, src, on_drop) -> int:
+    def try_skip(self, site, dst, src) -> int:
+        """Whether an ``unchanged=True`` H2D copy passes :meth:`try_h2d`'s checks.
+
+        Returns
+        -------
+        int
+            :data:`STAGED` when it does (the copier skips it), else :data:`MISS`
+            (the general path validates it).
+        """
+        return self.try_h2d(site, dst, src, None, True)
+
+    def try_h2d(self, site, dst, src, on_drop, skip=False) -> int:
         """Stage an H2D copy on the fast path, or say :data:`MISS`.
 
         Taken only for a merged site, a cached destination, and a C-contiguous
@@ -424,6 +435,8 @@ class PySegment:
             dtype = src.dtype
         if dtype != ent[7] or src.size != ent[8]:
             return MISS
+        if skip:
+            return STAGED
         if self.append_h2d(site, on_drop, ent[3], ent[4], ent[5], ent[6], ent[9], src):
             return BARRIER if site in self.barriers else STAGED
         return MISS

@@ -211,3 +211,25 @@ def test_a_descriptor_field_too_wide_fails_the_flush_with_its_site(twin):
             c.flush()
         assert dropped == [1] and c.staged == 0
     c.close()
+
+
+def test_an_unchanged_copy_of_a_known_destination_is_skipped_cheaply(twin):
+    dev = SimDevice(policy="lazy")
+    c = cc.DeviceCopier(PLAN, stream=dev.default_stream, device=dev, backend="sim")
+    dst = dev.zeros((4,), np.int32)
+    src = np.arange(4, dtype=np.int32)
+    with c.step():
+        c.copy(Site.A, dst, src)
+    calls = _spy(c)
+    with c.step():
+        assert c.copy(Site.A, dst, src, unchanged=True) is False
+        assert c.staged == 0
+    assert calls == [] and c.stats.sites[Site.A].skipped == 1
+    # bad input is still refused, by the general path
+    with c.step():
+        with pytest.raises(TypeError, match="dtype mismatch"):
+            c.copy(Site.A, dst, src.astype(np.float32), unchanged=True)
+        with pytest.raises(ValueError, match="size mismatch"):
+            c.copy(Site.A, dst, src[:3], unchanged=True)
+    assert c.stats.sites[Site.A].skipped == 1
+    c.close()
