@@ -57,7 +57,7 @@ from ..adapters import stream_handle
 from ..errors import CopyError
 from .base import Backend, DeviceBuffer, PinnedBuffer
 
-__all__ = ["CudaBackend", "gpu_available", "DEFAULT_MAPPED_THRESHOLD"]
+__all__ = ["CudaBackend", "gpu_available", "gpu_status", "DEFAULT_MAPPED_THRESHOLD"]
 
 # CUDA runtime constants (ABI-stable values from driver_types.h).
 _HOST_ALLOC_PORTABLE = 0x01
@@ -147,6 +147,31 @@ def _load():
 
 
 @functools.cache
+def gpu_status() -> tuple[bool, str]:
+    """Whether CuPy imports and sees at least one CUDA device, and why; never raises.
+
+    Returns
+    -------
+    available : bool
+    why : str
+        What was found, e.g. ``"CuPy sees 1 CUDA device"`` or ``"CuPy is not
+        installed (No module named 'cupy')"``.
+    """
+    try:
+        _load()
+    except ImportError as e:
+        return False, f"CuPy is not installed ({e})"
+    except Exception as e:  # a broken install: CuPy imports but cannot load CUDA
+        return False, f"CuPy does not import ({type(e).__name__}: {e})"
+    try:
+        count = _rt.getDeviceCount()
+    except Exception as e:
+        return False, f"CuPy sees no usable CUDA device ({type(e).__name__}: {e})"
+    if count <= 0:
+        return False, "CuPy sees no CUDA device"
+    return True, f"CuPy sees {count} CUDA device{'s' if count > 1 else ''}"
+
+
 def gpu_available() -> bool:
     """Whether CuPy imports and sees at least one CUDA device; never raises.
 
@@ -154,10 +179,7 @@ def gpu_available() -> bool:
     -------
     bool
     """
-    try:
-        return _load().cuda.runtime.getDeviceCount() > 0
-    except Exception:
-        return False
+    return gpu_status()[0]
 
 
 # -- kernel arguments --------------------------------------------------------------
