@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # One session on a lent GPU machine: versions, GPU tests, compute-sanitizer on the
-# scatter kernel, backend call costs, and the full benchmark suite.
+# scatter kernel, the full benchmark suite, and the host-path probe.
 #
 # Usage (from the repository root, with the machine's own python3; installs nothing):
 #   OUT=<dir> bash bench/gpu_session.sh
 #
 # Writes $OUT/summary.txt (each step's exit status, time and log tail; the bench's
 # tables), $OUT/bench.json (the suite's result, when it wrote one) and
-# $OUT/results.tgz (every log, the bench JSON and plots, backend_calls.json).
+# $OUT/results.tgz (every log, the bench JSON and plots).
 # Every step has a time limit and the script keeps going past failures; all of it
 # ends within BUDGET_S seconds (default 530, under 9 minutes).
 set -u
@@ -126,25 +126,11 @@ else
     step racecheck_programs 150 "$sanitizer" --tool racecheck --error-exitcode 99 "$PY" "${programs[@]}"
 fi
 
-if [[ -n "${BACKEND_CALLS:-}" && -f bench/backend_calls.py ]]; then
-    step backend_calls 60 "$PY" bench/backend_calls.py --json "$work/bench/backend_calls.json"
-else
-    skip backend_calls "bench/backend_calls.py is absent"
-fi
-
 # shellcheck disable=SC2086  # BENCH_ARGS is a list of options
 step bench 200 "$PY" -m bench --out "$work/bench/results" ${BENCH_ARGS:-}
 
-step hot_path 40 env PYTHONPATH=. "$PY" bench/hot_path.py --n 32
-if [[ -f bench/param_probe.py ]]; then
-    step param_probe 60 "$PY" bench/param_probe.py --json "$work/bench/param_probe.json"
-fi
-if [[ -f bench/kernel_floor.py ]]; then
-    step kernel_floor 60 "$PY" bench/kernel_floor.py --json "$work/bench/kernel_floor.json"
-fi
-if [[ -f bench/kernel_variants.py ]]; then
-    step kernel_variants 120 "$PY" bench/kernel_variants.py --json "$work/bench/kernel_variants.json"
-fi
+# the host path's pieces (an open question: bench/README.md, probes)
+step hot_path 40 "$PY" bench/probes/hot_path.py --n 32
 for ex in examples/*.py; do
     [[ -f "$ex" ]] || continue
     step "example_$(basename "$ex" .py)" 60 env PYTHONPATH=. "$PY" "$ex"

@@ -160,3 +160,35 @@ def test_source_digest_ties_files_to_their_commit(tmp_path):
     assert source_digest(tmp_path, rev="HEAD") == source_digest(tmp_path)
     assert source_digest(tmp_path, rev="HEAD~1") == first
     assert source_digest(tmp_path, rev="no-such-rev") is None
+
+
+# -- the main job and the probes ---------------------------------------------------------------
+
+BENCH = REPO / "bench"
+PROBES = sorted(p for p in (BENCH / "probes").glob("*.py") if p.name != "__init__.py")
+
+
+def test_bench_top_level_holds_the_main_job_only():
+    # scenarios of ``python -m bench``, their shared code and session tools; probes go under
+    # bench/probes/ (bench/README.md, Probes)
+    from bench import SCENARIOS
+
+    tools = {"__init__", "__main__", "_common", "_device", "digest", "kernel_check", "cold_start"}
+    assert {p.stem for p in BENCH.glob("*.py")} <= set(SCENARIOS) | tools
+
+
+@pytest.mark.parametrize("path", PROBES, ids=lambda p: p.stem)
+def test_each_probe_names_its_question_and_is_listed(path):
+    doc = path.read_text().split('"""')[1]
+    assert "Usage:" in doc and "Question:" in doc
+    assert "bench/results/" in doc  # the stored run holding its answer
+    assert f"`probes/{path.name}`" in (BENCH / "README.md").read_text()
+
+
+@pytest.mark.parametrize("path", PROBES, ids=lambda p: p.stem)
+def test_each_probe_shows_its_usage_without_a_gpu(path):
+    proc = subprocess.run(
+        [sys.executable, str(path), "--help"], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "usage:" in proc.stdout

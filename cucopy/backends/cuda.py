@@ -8,8 +8,8 @@ Which API for which call
 Every call goes through ``cupy.cuda.runtime`` / ``cupy.cuda.driver``: they are
 ``cpdef`` Cython functions that take plain ints and return plain ints, so one
 call costs the C call plus one Python-to-C dispatch. ``cuda.bindings`` (cuda-python)
-wraps each argument in a typed object and returns a tuple. ``bench/backend_calls.py``
-times both; on an H200 (CuPy 14.2, cuda-bindings 13.3, host µs per call, medians,
+wraps each argument in a typed object and returns a tuple. The backend_calls probe
+timed both; on an H200 (CuPy 14.2, cuda-bindings 13.3, host µs per call, medians,
 ``bench/results/backend_calls_h200.json``) CuPy won every hot call: memcpyAsync
 2.7 vs 3.1-3.4, eventRecord 0.26 vs 0.47-0.51, eventQuery 1.34 vs 1.59-1.61,
 cudaGetDevice 0.08 vs 0.32, kernel launch 4.5 vs 5.4-6.4.

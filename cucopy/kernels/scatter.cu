@@ -51,9 +51,9 @@ struct CucopyDesc {
 // pack.BLOCK_BYTES (4 KiB, 256 windows of 16 bytes: one a thread) and cuts
 // wider descriptors (pack.split), so a round of one window is the whole job for
 // nearly every thread; unrolling further made each kernel three times larger and
-// measured no faster (bench/kernel_variants.py: 4 windows a round cost 0.1 to
+// measured no faster (the kernel_variants probe: 4 windows a round cost 0.1 to
 // 0.25 us more on the bench steps, bench/results/2026-11-30-h200-variants).
-// -DCUCOPY_UNROLL=n is a tuning knob for that probe.
+// -DCUCOPY_UNROLL=n was that probe's tuning knob.
 #ifndef CUCOPY_UNROLL
 #define CUCOPY_UNROLL 1
 #endif
@@ -570,7 +570,7 @@ static __device__ __forceinline__ cucopy_u32 cucopy_param_u32(cucopy_u64 addr)
     return *reinterpret_cast<const cucopy_u32*>(addr);
 }
 
-// Reads of the parameter buffer are not free (bench/kernel_floor.py, stored in
+// Reads of the parameter buffer are not free (the kernel_floor probe, stored in
 // bench/results/2026-11-30-h200-run9 and later: 128 blocks that each read a
 // 128-entry table, one descriptor a thread, then count, cost ~1 us above an
 // empty launch; a uniform binary search as much). So a block first tries the
