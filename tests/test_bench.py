@@ -192,3 +192,23 @@ def test_each_probe_shows_its_usage_without_a_gpu(path):
     )
     assert proc.returncode == 0, proc.stderr
     assert "usage:" in proc.stdout
+
+
+def test_cold_start_runs_fresh_processes_and_writes_json(tmp_path):
+    # on the simulated device nothing is compiled: this checks the script gpu_session.sh runs
+    out = tmp_path / "cold.json"
+    proc = subprocess.run(
+        [sys.executable, "bench/cold_start.py", "--sim", "--warm", "1", "--json", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    doc = json.loads(out.read_text())
+    assert [r["run"] for r in doc["runs"]] == ["cold", "warm1", "cold_serial"]
+    for r in doc["runs"]:
+        assert r["first_step_ok"] is True and r["backend"] == "sim"
+        assert r["first_copier_s"] >= 0 and r["second_copier_s"] >= 0
+    assert doc["cucopy_config"]["version"]
+    assert "first copier s" in proc.stdout and "cold_serial" in proc.stdout
