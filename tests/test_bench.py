@@ -212,3 +212,95 @@ def test_cold_start_runs_fresh_processes_and_writes_json(tmp_path):
         assert r["first_copier_s"] >= 0 and r["second_copier_s"] >= 0
     assert doc["cucopy_config"]["version"]
     assert "first copier s" in proc.stdout and "cold_serial" in proc.stdout
+
+
+# -- what the output says ------------------------------------------------------------------------
+
+
+def test_each_table_carries_a_legend_of_its_contenders(quick_run):
+    proc, doc, _ = quick_run
+    out = proc.stdout
+    step_table = out.split("== step_cost ==")[1].split("== skip_unchanged ==")[0]
+    assert "legend:" in step_table
+    for name, description in doc["scenarios"]["step_cost"]["contenders"].items():
+        assert f"  {name}  " in step_table and description in step_table
+    skip_table = out.split("== skip_unchanged ==")[1]
+    assert "legend:" in skip_table and "cucopy_buffer" in skip_table
+
+
+def test_skip_unchanged_says_what_the_buffer_saves_and_why(quick_run):
+    proc, doc, _ = quick_run
+    table = proc.stdout.split("== skip_unchanged ==")[1]
+    # with nothing changed the buffer issues nothing: the saving is printed, not just host time
+    assert "changed=0: copies 0 of 32" in table
+    assert "bytes staged 0 of" in table
+    assert "why:" in table and "compares the new values" in table
+    rows = {
+        (r["contender"], r["changed"]): r for r in doc["scenarios"]["skip_unchanged"]["results"]
+    }
+    assert rows["cucopy_buffer", 0.0]["bytes_staged_per_step"] == 0
+    assert rows["cucopy_always", 0.0]["bytes_staged_per_step"] > 0
+
+
+def test_results_say_where_they_were_measured(quick_run):
+    _, doc, _ = quick_run
+    for name, result in doc["scenarios"].items():
+        assert result["device"] == "simulated device", name
+    assert doc["environment"]["cucopy_config"]["default_backend"]["name"] in ("sim", "cuda")
+
+
+def test_plot_titles_say_lower_is_better_and_simulated():
+    from bench._common import plot_title
+
+    assert plot_title("step_cost", "simulated device").endswith("lower is better")
+    assert "simulated device" in plot_title("step_cost", "simulated device")
+    assert plot_title("step_cost", "NVIDIA H200") == "step_cost on NVIDIA H200; lower is better"
+
+
+def test_progress_total_is_fixed_before_the_first_scenario():
+    import io
+
+    from bench._common import Progress
+
+    out = io.StringIO()
+    p = Progress(stream=out)
+    p.plan(5)
+    p.add(2)  # the first scenario announces its own share: no jump
+    p.advance("a")
+    p.advance("b")
+    p.skip_to(2)
+    p.add(3)
+    p.advance("c")
+    p.skip_to(5)  # the second stopped early: counted as done
+    assert [line.split()[0] for line in out.getvalue().splitlines()] == ["[1/5]", "[2/5]", "[3/5]"]
+    assert p.done == p.total == 5
+    q = Progress(stream=io.StringIO())  # a scenario run alone grows its own total
+    q.add(3)
+    assert q.total == 3
+
+
+def test_planned_jobs_match_what_the_scenarios_report():
+    import argparse
+
+    from bench import __main__ as suite
+    from bench import _device as devmod
+    from bench._common import Progress
+
+    class Counting(Progress):
+        def __init__(self):
+            super().__init__(enabled=False)
+            self.announced = 0
+
+        def add(self, jobs):
+            self.announced += jobs
+            super().add(jobs)
+
+    args = argparse.Namespace(quick=True, n=None, seed=0)
+    ctx = devmod.make_context(True, 0)
+    try:
+        for name in ("step_cost", "skip_unchanged", "decode_loop", "size_sweep"):
+            p = Counting()
+            suite.run_scenario(name, ctx, args, 2, 0, p)
+            assert p.announced == p.done == suite.planned_jobs(name, ctx, args), name
+    finally:
+        ctx.close()
