@@ -66,21 +66,42 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def _n_list(args) -> list[int]:
+    return list(args.n or (common.QUICK_N if args.quick else common.DEFAULT_N))
+
+
+def _sizes(args) -> list[int]:
+    return size_sweep.table_sizes(1024, 16 << 10 if args.quick else 1 << 20)
+
+
+def _fractions(args) -> tuple:
+    return (0.0, 1.0) if args.quick else skip_unchanged.DEFAULT_CHANGED
+
+
+def planned_jobs(name: str, ctx, args) -> int:
+    """The jobs scenario ``name`` will report, known before it starts (the progress total)."""
+    if name == "step_cost":
+        return step_cost.jobs(ctx, _n_list(args))
+    if name == "decode_loop":
+        return decode_loop.jobs(ctx)
+    if name == "size_sweep":
+        return size_sweep.jobs(ctx, _sizes(args))
+    if name == "skip_unchanged":
+        return skip_unchanged.jobs(ctx, _fractions(args))
+    raise ValueError(f"scenario: unknown {name!r}")
+
+
 def run_scenario(name: str, ctx, args, reps: int, warmup: int, progress) -> dict:
     """Run one scenario with the suite's configuration."""
-    quick = args.quick
     if name == "step_cost":
-        n_list = args.n or (common.QUICK_N if quick else common.DEFAULT_N)
-        return step_cost.run(ctx, n_list, reps, warmup, progress, seed=args.seed)
+        return step_cost.run(ctx, _n_list(args), reps, warmup, progress, seed=args.seed)
     if name == "decode_loop":
-        steps = 20 if quick else max(200, reps)
+        steps = 20 if args.quick else max(200, reps)
         return decode_loop.run(ctx, 32, steps, 1000.0, decode_loop.MODES, progress, seed=args.seed)
     if name == "size_sweep":
-        hi = 16 << 10 if quick else 1 << 20
-        sizes = size_sweep.table_sizes(1024, hi)
-        return size_sweep.run(ctx, sizes, 32, reps, warmup, progress, seed=args.seed)
+        return size_sweep.run(ctx, _sizes(args), 32, reps, warmup, progress, seed=args.seed)
     if name == "skip_unchanged":
-        fractions = (0.0, 1.0) if quick else skip_unchanged.DEFAULT_CHANGED
+        fractions = _fractions(args)
         return skip_unchanged.run(ctx, 32, fractions, reps, warmup, progress, seed=args.seed)
     raise ValueError(f"scenario: unknown {name!r}")
 
@@ -110,7 +131,7 @@ def main(argv=None) -> int:
         "config": {
             "quick": args.quick,
             "scenarios": names,
-            "n": args.n or list(common.QUICK_N if args.quick else common.DEFAULT_N),
+            "n": _n_list(args),
             "reps": reps,
             "warmup": warmup,
             "seed": args.seed,
@@ -128,6 +149,9 @@ def main(argv=None) -> int:
     print(f"cucopy bench on {where}: {', '.join(names)}; reps={reps}, warmup={warmup}", flush=True)
     failed = False
     progress = common.Progress(enabled=not args.no_progress)
+    planned = {name: planned_jobs(name, ctx, args) for name in names}
+    progress.plan(sum(planned.values()))  # the total is known up front: it never jumps
+    done = 0
     try:
         for name in names:
             try:
@@ -136,6 +160,8 @@ def main(argv=None) -> int:
                 failed = True
                 result = {"error": repr(e), "traceback": traceback.format_exc(), "notes": []}
                 progress.write(f"{name}: failed: {e!r}")
+            done += planned[name]
+            progress.skip_to(done)  # a scenario that stopped early
             doc["scenarios"][name] = result
             doc["elapsed_s"] = round(time.perf_counter() - t0, 1)
             common.write_json(json_path, doc)

@@ -115,8 +115,9 @@ def mix_bytes(mix) -> int:
 class Progress:
     """Progress over measurement jobs: a tqdm bar on a terminal, else one line per job.
 
-    Scenarios call :meth:`add` with the number of jobs they are about to run and
-    :meth:`advance` after each one, so the total grows as scenarios start.
+    The suite announces every scenario's jobs up front with :meth:`plan`, so the total
+    never jumps; a scenario run alone announces its own with :meth:`add` (which grows
+    the total only past what was planned) and calls :meth:`advance` after each job.
     """
 
     def __init__(self, enabled: bool = True, stream=None):
@@ -124,6 +125,7 @@ class Progress:
         self._enabled = enabled
         self.total = 0
         self.done = 0
+        self._announced = 0
         self._bar = None
         if enabled and getattr(self._stream, "isatty", lambda: False)():
             # a bar only on a terminal: in a log, tqdm's carriage returns are noise
@@ -134,9 +136,27 @@ class Progress:
             if tqdm is not None:
                 self._bar = tqdm(total=0, file=self._stream, unit="job", dynamic_ncols=True)
 
+    def plan(self, jobs: int) -> None:
+        """Set the total to ``jobs`` before any scenario starts."""
+        self.total = jobs
+        self._refresh()
+
     def add(self, jobs: int) -> None:
-        """Announce ``jobs`` more jobs."""
-        self.total += jobs
+        """Announce ``jobs`` more jobs (the total grows only past the plan)."""
+        self._announced += jobs
+        if self._announced > self.total:
+            self.total = self._announced
+            self._refresh()
+
+    def skip_to(self, done: int) -> None:
+        """Count jobs a scenario planned but did not run (it stopped early) as done."""
+        if done > self.done:
+            if self._bar is not None:
+                self._bar.update(done - self.done)
+            self.done = done
+        self._announced = max(self._announced, done)
+
+    def _refresh(self) -> None:
         if self._bar is not None:
             self._bar.total = self.total
             self._bar.refresh()
@@ -313,6 +333,14 @@ def _cuda_version(v: int) -> str:
     return f"{v // 1000}.{v % 1000 // 10}"
 
 
+def _cucopy_config() -> dict:
+    try:
+        from cucopy import _config
+    except ImportError:  # a cucopy from before show_config()
+        return {}
+    return _config.config_dict()
+
+
 def environment(ctx) -> dict:
     """What the numbers were measured on (no host names, no paths).
 
@@ -333,6 +361,7 @@ def environment(ctx) -> dict:
         "cpu_count": os.cpu_count(),
         "numpy": np.__version__,
         "cucopy": git_commit(),
+        "cucopy_config": _cucopy_config(),
         "packages": package_versions(),
     }
     if ctx.kind == "gpu":
@@ -361,6 +390,17 @@ def environment(ctx) -> dict:
             gpu["cuda_bindings"] = None
         env["gpu"] = gpu
     return env
+
+
+def device_label(ctx) -> str:
+    """``"simulated device"``, or the GPU's name (what the plots' titles say)."""
+    if ctx.kind != "gpu":
+        return "simulated device"
+    try:
+        name = ctx.cp.cuda.runtime.getDeviceProperties(ctx.device)["name"]
+    except Exception:
+        return "GPU"
+    return name.decode() if isinstance(name, bytes) else str(name)
 
 
 def device_slug(env: dict) -> str:
@@ -419,6 +459,50 @@ def table(rows: list[list[str]], header: list[str]) -> str:
         lines.append("  ".join(cells))
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+def legend(names: dict) -> str:
+    """``legend:`` and one line per name: what each contender or column of a table is."""
+    if not names:
+        return ""
+    width = max(len(n) for n in names)
+    return "\n".join(["legend:", *(f"  {n:<{width}}  {d}" for n, d in names.items())])
+
+
+#: Markers and line styles cycled per line, so that lines with equal values (``inline``
+#: and ``auto``, which picks ``inline`` for small segments) stay visible under each other.
+MARKERS = ("o", "s", "D", "^", "v", "<", ">", "P", "X", "*", "h", "p")
+LINESTYLES = ("-", "--", "-.", ":")
+
+
+def line_style(i: int) -> dict:
+    """Matplotlib keyword arguments for the ``i``-th line of a plot."""
+    style = {
+        "marker": MARKERS[i % len(MARKERS)],
+        "linestyle": LINESTYLES[i % len(LINESTYLES)],
+        "capsize": 3,
+    }
+    if i % 2:
+        style["markerfacecolor"] = "none"  # hollow: a filled marker beneath shows through
+    return style
+
+
+def dodge(xs, i: int, k: int, log: bool = True, step: float = 0.035) -> list:
+    """Shift line ``i`` of ``k`` sideways a little, so equal points do not hide each other.
+
+    ``log``: ``x`` is on a log axis, shifted by a factor; else by ``step`` in ``x``'s units.
+    """
+    off = (i - (k - 1) / 2) * step
+    return [x * 2**off if log else x + off for x in xs]
+
+
+def plot_title(what: str, device: str) -> str:
+    """A figure title that says where it was measured and that lower is better."""
+    sim = (
+        " (simulated device: host time and operation counts only)" if "simulated" in device else ""
+    )
+    where = "" if sim else f" on {device}"
+    return f"{what}{where}{sim}; lower is better"
 
 
 def pyplot():

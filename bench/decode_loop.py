@@ -140,6 +140,20 @@ def loop(ctx, graph: ReplayGraph, step, steps: int, synced: bool) -> tuple[list[
     return graph.gaps_us(steps + 1)[WARM_STEPS:], wall
 
 
+#: What each mode of the loop means (printed under the table).
+MODE_LEGEND = {
+    "pipelined": "the host never waits and runs ahead: the gap is the copies' GPU cost",
+    "synced": "the host synchronizes after each replay: the gap adds its issue time",
+}
+
+
+def jobs(ctx, contenders=None) -> int:
+    """Measurement jobs :func:`run` reports to the progress bar (none without a GPU)."""
+    if ctx.kind != "gpu":
+        return 0
+    return 1 + sum(1 for c in devmod.ALL if contenders is None or c.name in contenders)
+
+
 def run(
     ctx,
     n: int = 32,
@@ -172,6 +186,7 @@ def run(
         ``results`` (one row per contender and mode), ``config``, ``notes``.
     """
     out = {
+        "device": common.device_label(ctx),
         "config": {"n": n, "steps": steps, "replay_us": replay_us, "modes": list(modes)},
         "results": [],
         "notes": [],
@@ -183,7 +198,7 @@ def run(
     classes = [NoCopies, *devmod.ALL]
     classes = [c for c in classes if contenders is None or c.name in contenders or c is NoCopies]
     progress = progress or common.Progress(enabled=False)
-    progress.add(len(classes))
+    progress.add(jobs(ctx, contenders))
     try:
         graph = ReplayGraph(ctx, replay_us, steps + 8)
     except Exception as e:
@@ -243,6 +258,7 @@ def report(result: dict) -> str:
     ]
     if rows:
         lines.append(common.table(rows, HEADER))
+        lines.append(common.legend({**result.get("contenders", {}), **MODE_LEGEND}))
     lines += [f"note: {n}" for n in result["notes"]]
     return "\n".join(lines)
 
@@ -273,11 +289,12 @@ def plot(result: dict, stem: Path) -> list[Path]:
         ax.bar(xs, ys, width, yerr=[lo, hi], capsize=3, label=mode)
     ax.set_xticks(range(len(names)))
     ax.set_xticklabels(names, rotation=30, ha="right", fontsize=8)
-    ax.set_ylabel("GPU idle between replays (µs)")
-    ax.set_title(
-        f"decode loop: {result['config']['n']} copies between {result['config']['replay_us']:.0f} µs replays",
-        fontsize=10,
+    ax.set_ylabel("GPU idle between replays, µs (median, p10-p90)")
+    what = (
+        f"decode loop: {result['config']['n']} copies between "
+        f"{result['config']['replay_us']:.0f} µs replays"
     )
+    ax.set_title(common.plot_title(what, result.get("device", "")), fontsize=10)
     ax.legend()
     ax.grid(True, axis="y", alpha=0.3)
     return common.save_plot(fig, stem, NAME)

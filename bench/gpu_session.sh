@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# One session on a lent GPU machine: versions, GPU tests, compute-sanitizer on the
-# scatter kernel, backend call costs, and the full benchmark suite.
+# One session on a lent GPU machine: versions, the first copier's cold start, GPU tests,
+# compute-sanitizer on the scatter kernel, the full benchmark suite, the host-path probe.
 #
 # Usage (from the repository root, with the machine's own python3; installs nothing):
 #   OUT=<dir> bash bench/gpu_session.sh
 #
 # Writes $OUT/summary.txt (each step's exit status, time and log tail; the bench's
-# tables), $OUT/bench.json (the suite's result, when it wrote one) and
-# $OUT/results.tgz (every log, the bench JSON and plots, backend_calls.json).
+# tables), $OUT/bench.json (the suite's result, when it wrote one), $OUT/cold_start.json
+# (the first copier's cost, cold and warm kernel cache) and $OUT/results.tgz (every log,
+# the JSONs and plots).
 # Every step has a time limit and the script keeps going past failures; all of it
 # ends within BUDGET_S seconds (default 530, under 9 minutes).
 set -u
@@ -86,6 +87,8 @@ except Exception as e:
     print("cupy device: unavailable:", repr(e))
 from cucopy.backends.cuda import gpu_available
 print("cucopy gpu_available:", gpu_available())
+import cucopy
+cucopy.show_config()
 EOF
     (command -v nvcc >/dev/null && nvcc --version | tail -2) || echo "nvcc: not on PATH"
     git rev-parse HEAD 2>/dev/null || echo "git: no commit (not a checkout)"
@@ -100,6 +103,10 @@ step build_ext 120 "$PY" setup.py build_ext --inplace
 export -f versions
 export PY
 step versions 30 bash -c versions
+
+# the first copier's cost in fresh processes: a cold CuPy kernel cache (an empty
+# CUPY_CACHE_DIR), the same cache warm, and cold with the kernels built one at a time
+step cold_start 120 "$PY" bench/cold_start.py --json "$work/bench/cold_start.json"
 
 step pytest_gpu 170 "$PY" -m pytest -m gpu -q -p no:cacheprovider -o faulthandler_timeout=60 tests/
 
@@ -126,25 +133,11 @@ else
     step racecheck_programs 150 "$sanitizer" --tool racecheck --error-exitcode 99 "$PY" "${programs[@]}"
 fi
 
-if [[ -n "${BACKEND_CALLS:-}" && -f bench/backend_calls.py ]]; then
-    step backend_calls 60 "$PY" bench/backend_calls.py --json "$work/bench/backend_calls.json"
-else
-    skip backend_calls "bench/backend_calls.py is absent"
-fi
-
 # shellcheck disable=SC2086  # BENCH_ARGS is a list of options
 step bench 200 "$PY" -m bench --out "$work/bench/results" ${BENCH_ARGS:-}
 
-step hot_path 40 env PYTHONPATH=. "$PY" bench/hot_path.py --n 32
-if [[ -f bench/param_probe.py ]]; then
-    step param_probe 60 "$PY" bench/param_probe.py --json "$work/bench/param_probe.json"
-fi
-if [[ -f bench/kernel_floor.py ]]; then
-    step kernel_floor 60 "$PY" bench/kernel_floor.py --json "$work/bench/kernel_floor.json"
-fi
-if [[ -f bench/kernel_variants.py ]]; then
-    step kernel_variants 120 "$PY" bench/kernel_variants.py --json "$work/bench/kernel_variants.json"
-fi
+# the host path's pieces (an open question: bench/README.md, probes)
+step hot_path 40 "$PY" bench/probes/hot_path.py --n 32
 for ex in examples/*.py; do
     [[ -f "$ex" ]] || continue
     step "example_$(basename "$ex" .py)" 60 env PYTHONPATH=. "$PY" "$ex"
@@ -168,7 +161,8 @@ done
 cp "$work/summary.txt" "$OUT/summary.txt"
 json=$(ls "$work"/bench/results/*.json 2>/dev/null | head -n 1)
 if [[ -n "$json" ]]; then cp "$json" "$OUT/bench.json"; fi
+if [[ -f "$work/bench/cold_start.json" ]]; then cp "$work/bench/cold_start.json" "$OUT/"; fi
 tar -czf "$OUT/results.tgz" -C "$work" logs bench summary.txt
 echo
 head -n 12 "$OUT/summary.txt"
-echo "wrote summary.txt, results.tgz${json:+, bench.json} under \$OUT"
+echo "wrote summary.txt, results.tgz${json:+, bench.json}, cold_start.json (if it ran) under \$OUT"

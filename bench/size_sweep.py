@@ -103,6 +103,19 @@ def crossover(points: list[dict]) -> dict:
     }
 
 
+#: What each column's flush mode does (printed under the table).
+MODE_LEGEND = {
+    "dma": "cucopy flush_mode='dma': one H2D of the segment + one scatter",
+    "mapped": "cucopy flush_mode='mapped': one scatter reading the data from mapped pinned memory",
+    "inline": "cucopy flush_mode='inline': the segment carried in the launch (<= 32 KiB, else auto)",
+}
+
+
+def jobs(ctx, sizes) -> int:
+    """Measurement jobs :func:`run` reports to the progress bar."""
+    return len(sizes)
+
+
 def run(
     ctx,
     sizes,
@@ -132,8 +145,14 @@ def run(
         both modes' GPU medians), ``crossover``, ``notes``.
     """
     progress = progress or common.Progress(enabled=False)
-    progress.add(len(sizes))
-    out = {"config": {"tiny": tiny, "sizes": list(sizes)}, "results": [], "points": [], "notes": []}
+    progress.add(jobs(ctx, sizes))
+    out = {
+        "device": common.device_label(ctx),
+        "config": {"tiny": tiny, "sizes": list(sizes)},
+        "results": [],
+        "points": [],
+        "notes": [],
+    }
     classes = {
         "dma": devmod.CucopyDma,
         "mapped": devmod.CucopyMapped,
@@ -220,6 +239,7 @@ def report(result: dict) -> str:
             f'{{"{x["arch"]}": {x["suggested_mapped_threshold"]}}} '
             f"(in use now: {x['current_threshold']})"
         )
+    lines.append(common.legend(MODE_LEGEND))
     lines += [f"note: {n}" for n in result["notes"]]
     return "\n".join(lines)
 
@@ -230,8 +250,8 @@ def plot(result: dict, stem: Path) -> list[Path]:
     if plt is None or not result["points"]:
         return []
     gpu = any(p.get("dma_us") is not None for p in result["points"])
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for mode in MODES:
+    fig, ax = plt.subplots(figsize=(7, 4.8))
+    for i, mode in enumerate(MODES):
         xs, ys, lo, hi = [], [], [], []
         for r in result["results"]:
             s = r.get("gpu_us" if gpu else "host_us")
@@ -244,7 +264,8 @@ def plot(result: dict, stem: Path) -> list[Path]:
             ys.append(s["median"])
             lo.append(s["median"] - s["p10"])
             hi.append(s["p90"] - s["median"])
-        ax.errorbar(xs, ys, yerr=[lo, hi], marker="o", capsize=3, label=mode)
+        xs = common.dodge(xs, i, len(MODES))
+        ax.errorbar(xs, ys, yerr=[lo, hi], label=mode, **common.line_style(i))
     x = result.get("crossover")
     if x and x.get("crossover_segment_bytes"):
         ax.axvline(x["crossover_segment_bytes"], color="gray", ls="--", label="crossover")
@@ -252,7 +273,12 @@ def plot(result: dict, stem: Path) -> list[Path]:
     ax.set_yscale("log")
     ax.set_xlabel("segment bytes (one table + tiny vectors)")
     ax.set_ylabel(("GPU" if gpu else "host") + " µs per step (median, p10-p90)")
-    ax.set_title("cucopy flush: dma vs mapped", fontsize=10)
+    ax.set_title(
+        common.plot_title(
+            "size_sweep: one merged segment, dma vs mapped vs inline", result.get("device", "")
+        ),
+        fontsize=10,
+    )
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     return common.save_plot(fig, stem, NAME)

@@ -154,6 +154,16 @@ class PinnedAlways(_Alternating):
 CONTENDERS = (CucopyAlways, CucopyBuffer, PinnedAlways)
 
 
+def contender_classes(ctx) -> list:
+    """The contenders that run on ``ctx`` (``pinned_always`` needs a GPU)."""
+    return [c for c in CONTENDERS if ctx.kind == "gpu" or c is not PinnedAlways]
+
+
+def jobs(ctx, fractions) -> int:
+    """Measurement jobs :func:`run` reports to the progress bar."""
+    return len(contender_classes(ctx)) * len(fractions)
+
+
 def run(ctx, n: int, fractions, reps: int, warmup: int, progress=None, seed: int = 0) -> dict:
     """Measure each contender at each changed fraction.
 
@@ -173,11 +183,12 @@ def run(ctx, n: int, fractions, reps: int, warmup: int, progress=None, seed: int
     dict
         ``results`` (one row per contender and fraction), ``notes``.
     """
-    classes = [c for c in CONTENDERS if ctx.kind == "gpu" or c is not PinnedAlways]
+    classes = contender_classes(ctx)
     progress = progress or common.Progress(enabled=False)
-    progress.add(len(classes) * len(fractions))
+    progress.add(jobs(ctx, fractions))
     mix = common.decode_mix(n, seed)
     out = {
+        "device": common.device_label(ctx),
         "config": {"n": n, "changed": list(fractions), "total_bytes": common.mix_bytes(mix)},
         "results": [],
         "notes": [],
@@ -241,8 +252,39 @@ def _num(x, digits=0) -> str:
     return "-" if x is None else f"{x:.{digits}f}"
 
 
+#: Why the buffer's host time is higher: printed under the table.
+WHY = """\
+why: every DeviceCopyBuffer.update is a Python call that compares the new values with the
+ones the buffer last wrote before it decides; it pays that on every input, changed or not,
+and it costs more host time than staging the copy would. What it saves is copies, stream
+operations, bytes staged and (on a GPU) GPU time: use it where those are the bottleneck."""
+
+
+def savings(result: dict) -> list[str]:
+    """Per changed fraction: what ``cucopy_buffer`` saved against ``cucopy_always``."""
+    by = {(r["contender"], r["changed"]): r for r in result["results"]}
+    lines = []
+    for frac in result["config"]["changed"]:
+        a, b = by.get(("cucopy_always", frac)), by.get(("cucopy_buffer", frac))
+        if not a or not b or a.get("bytes_staged_per_step") is None:
+            continue
+        parts = [
+            f"copies {b.get('issued_per_step', 0):.0f} of {a.get('issued_per_step', 0):.0f}",
+            f"operations {_num(b.get('work_ops_per_step'), 1)} of {_num(a.get('work_ops_per_step'), 1)}",
+            f"bytes staged {b['bytes_staged_per_step']:.0f} of {a['bytes_staged_per_step']:.0f}",
+        ]
+        ga, gb = (r.get("gpu_us") or {} for r in (a, b))
+        if ga.get("median") is not None and gb.get("median") is not None:
+            parts.append(f"GPU {gb['median']:.1f} of {ga['median']:.1f} us")
+        ha, hb = a.get("host_us") or {}, b.get("host_us") or {}
+        if ha.get("median") is not None and hb.get("median") is not None:
+            parts.append(f"host {hb['median']:.1f} against {ha['median']:.1f} us")
+        lines.append(f"  changed={frac:g}: " + ", ".join(parts))
+    return ["cucopy_buffer against cucopy_always, per step:", *lines] if lines else []
+
+
 def report(result: dict) -> str:
-    """The scenario's table and notes as text."""
+    """The scenario's table, what the buffer saved, why, and the notes as text."""
     rows = [
         [
             r["contender"],
@@ -258,39 +300,58 @@ def report(result: dict) -> str:
     lines = [f"N={result['config']['n']} inputs, {result['config']['total_bytes']} bytes per step"]
     if rows:
         lines.append(common.table(rows, HEADER))
+        lines += savings(result)
+        lines.append(WHY)
+        lines.append(common.legend(result.get("contenders", {})))
     lines += [f"note: {n}" for n in result["notes"]]
     return "\n".join(lines)
 
 
 def plot(result: dict, stem: Path) -> list[Path]:
-    """``<stem>-skip_unchanged.png``: host (and GPU) µs per step vs changed fraction."""
+    """``<stem>-skip_unchanged.png``: host and GPU µs, copies issued and bytes staged per step.
+
+    One panel per quantity against the share of inputs that change each step: the
+    buffer's host time next to what it saves (copies, bytes and, on a GPU, GPU time).
+    """
     plt = common.pyplot()
     if plt is None or not result["results"]:
         return []
-    keys = [("host_us", "host µs per step")]
+    panels = [("host_us", "host time per step", "host µs per step (median, p10-p90)")]
     if any(r.get("gpu_us") for r in result["results"]):
-        keys.append(("gpu_us", "GPU µs per step, stream held"))
-    fig, axes = plt.subplots(1, len(keys), figsize=(6 * len(keys), 4.5), squeeze=False)
-    for ax, (key, title) in zip(axes[0], keys):
-        for name in dict.fromkeys(r["contender"] for r in result["results"]):
-            rs = [r for r in result["results"] if r["contender"] == name and r.get(key)]
+        panels.append(
+            ("gpu_us", "GPU time per step, stream held", "GPU µs per step (median, p10-p90)")
+        )
+    panels.append(("issued_per_step", "copies issued per step", "copies"))
+    panels.append(("work_ops_per_step", "stream operations per step", "copies + launches"))
+    panels.append(("bytes_staged_per_step", "bytes staged per step (cucopy)", "bytes"))
+    cols = 3
+    rows = -(-len(panels) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 4.4 * rows), squeeze=False)
+    for ax in axes.flat[len(panels) :]:
+        ax.set_visible(False)
+    names = list(dict.fromkeys(r["contender"] for r in result["results"]))
+    for ax, (key, title, ylabel) in zip(axes.flat, panels):
+        for i, name in enumerate(names):
+            rs = [r for r in result["results"] if r["contender"] == name and r.get(key) is not None]
             if not rs:
                 continue
-            ax.errorbar(
-                [r["changed"] for r in rs],
-                [r[key]["median"] for r in rs],
-                yerr=[
+            xs = common.dodge([r["changed"] for r in rs], i, len(names), log=False, step=0.012)
+            if isinstance(rs[0][key], dict):
+                ys = [r[key]["median"] for r in rs]
+                err = [
                     [r[key]["median"] - r[key]["p10"] for r in rs],
                     [r[key]["p90"] - r[key]["median"] for r in rs],
-                ],
-                marker="o",
-                capsize=3,
-                label=name,
-            )
+                ]
+            else:
+                ys, err = [r[key] for r in rs], None
+            ax.errorbar(xs, ys, yerr=err, label=name, **common.line_style(i))
         ax.set_xlabel("share of inputs that change each step")
-        ax.set_title(title + " (median, p10-p90)", fontsize=10)
+        ax.set_ylabel(ylabel)
+        ax.set_title(title, fontsize=10)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
+    what = f"skip_unchanged: {result['config']['n']} inputs, DeviceCopyBuffer vs always copying"
+    fig.suptitle(common.plot_title(what, result.get("device", "")), fontsize=11)
     return common.save_plot(fig, stem, NAME)
 
 

@@ -39,6 +39,19 @@ from bench import _device as devmod  # noqa: E402
 NAME = "step_cost"
 
 
+def contender_classes(ctx, contenders=None) -> list:
+    """The contenders that run on ``ctx`` (only cucopy's on the simulated device)."""
+    classes = [c for c in devmod.ALL if contenders is None or c.name in contenders]
+    if ctx.kind == "sim":
+        classes = [c for c in classes if issubclass(c, devmod.CucopyContender)]
+    return classes
+
+
+def jobs(ctx, n_list, contenders=None) -> int:
+    """Measurement jobs :func:`run` reports to the progress bar."""
+    return len(contender_classes(ctx, contenders)) * len(n_list)
+
+
 def run(ctx, n_list, reps: int, warmup: int, progress=None, contenders=None, seed: int = 0) -> dict:
     """Measure every contender for every N.
 
@@ -60,12 +73,16 @@ def run(ctx, n_list, reps: int, warmup: int, progress=None, contenders=None, see
         ``mix`` (per N: sizes and total bytes), ``results`` (one row per contender and
         N), ``notes``.
     """
-    classes = [c for c in devmod.ALL if contenders is None or c.name in contenders]
-    if ctx.kind == "sim":
-        classes = [c for c in classes if issubclass(c, devmod.CucopyContender)]
+    classes = contender_classes(ctx, contenders)
     progress = progress or common.Progress(enabled=False)
-    progress.add(len(classes) * len(n_list))
-    out = {"mix": {}, "results": [], "notes": [], "contenders": {}}
+    progress.add(jobs(ctx, n_list, contenders))
+    out = {
+        "device": common.device_label(ctx),
+        "mix": {},
+        "results": [],
+        "notes": [],
+        "contenders": {},
+    }
     for c in classes:
         out["contenders"][c.name] = c.description
     for n in n_list:
@@ -139,8 +156,9 @@ def report(result: dict) -> str:
         "ops/step: copies + launches enqueued per step (in parentheses: sim stream.ops, "
         "event records included)"
     )
+    lines.append(common.legend(result.get("contenders", {})))
     lines += [f"note: {n}" for n in result["notes"]]
-    return "\n".join(lines)
+    return "\n".join(line for line in lines if line)
 
 
 def plot(result: dict, stem: Path) -> list[Path]:
@@ -153,13 +171,15 @@ def plot(result: dict, stem: Path) -> list[Path]:
         if r["verified"]:
             by.setdefault(r["contender"], []).append(r)
     has_gpu = any(r.get("gpu_us") for rs in by.values() for r in rs)
-    panels = [("host_us_per_copy", "host µs per copy (median, p10-p90)")]
+    panels = [("host_us_per_copy", "host time per copy", "host µs per copy (median, p10-p90)")]
     if has_gpu:
-        panels.append(("gpu_us", "GPU µs per step, stream held (median, p10-p90)"))
-    panels.append(("work_ops_per_step", "copies + launches per step"))
-    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.5), squeeze=False)
-    for ax, (key, title) in zip(axes[0], panels):
-        for name, rs in by.items():
+        panels.append(
+            ("gpu_us", "GPU time per step, stream held", "GPU µs per step (median, p10-p90)")
+        )
+    panels.append(("work_ops_per_step", "stream operations per step", "copies + launches"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.8), squeeze=False)
+    for ax, (key, title, ylabel) in zip(axes[0], panels):
+        for i, (name, rs) in enumerate(by.items()):
             xs, ys, lo, hi = [], [], [], []
             for r in rs:
                 v = r.get(key)
@@ -178,15 +198,19 @@ def plot(result: dict, stem: Path) -> list[Path]:
                     lo.append(0)
                     hi.append(0)
             if xs:
-                ax.errorbar(xs, ys, yerr=[lo, hi], marker="o", capsize=3, label=name)
+                xs = common.dodge(xs, i, len(by))
+                ax.errorbar(xs, ys, yerr=[lo, hi], label=name, **common.line_style(i))
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ns = sorted({r["n"] for rs in by.values() for r in rs})
         ax.set_xticks(ns, [str(n) for n in ns])
         ax.set_xlabel("copies per step (N)")
+        ax.set_ylabel(ylabel)
         ax.set_title(title, fontsize=10)
         ax.grid(True, which="both", alpha=0.3)
     axes[0][0].legend(fontsize=7)
+    device = result.get("device", "")
+    fig.suptitle(common.plot_title("step_cost: N tiny H2D copies", device), fontsize=11)
     return common.save_plot(fig, stem, NAME)
 
 

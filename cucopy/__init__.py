@@ -1,5 +1,7 @@
 """cucopy: merge an engine's tiny per-step device copies into one upload and one launch."""
 
+from ._config import show_config
+from ._version import __version__ as __version__
 from .buffer import DeviceCopyBuffer
 from .check import expect_landed
 from .copier import DeviceCopier, active_copier, copy, fill_tail, flush
@@ -26,6 +28,7 @@ __all__ = [
     "expect_landed",
     "fill_tail",
     "flush",
+    "show_config",
 ]
 
 

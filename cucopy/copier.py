@@ -51,9 +51,9 @@ def make_backend(backend=None, device=None):
         if isinstance(device, sim.SimDevice):
             backend = "sim"
         else:
-            from .backends.cuda import gpu_available
+            from .backends import pick_default
 
-            backend = "cuda" if gpu_available() else "sim"
+            backend = pick_default()  # logs once when it falls back to the simulator
     if backend == "sim":
         if device is not None and not isinstance(device, sim.SimDevice):
             raise TypeError(f"device: the sim backend takes a SimDevice, got {device!r}")
@@ -236,9 +236,17 @@ class DeviceCopier:
             free_orphans()
 
     def __enter__(self) -> DeviceCopier:
+        """Return the copier; leaving the ``with`` block closes it.
+
+        ``with copier:`` is the copier's lifetime, not a step (that is :meth:`step`)
+        nor routing (:meth:`activate`): on exit, also by an exception, :meth:`close`
+        flushes what is staged, waits for the slots in flight and frees the ring, and
+        the copier takes no more copies.
+        """
         return self
 
     def __exit__(self, *exc) -> None:
+        """Close the copier (:meth:`close`), whether or not the block raised."""
         self.close()
 
     def _live(self, site=None) -> None:

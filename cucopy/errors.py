@@ -13,3 +13,6 @@ class CopyError(RuntimeError):
     work handed to a closed or foreign-thread copier, and for backend failures
     during a flush.  The message names the site.
     """
+
+    status: int | None = None
+    """The CUDA status code behind a backend failure, when there is one."""

@@ -9,7 +9,7 @@ from .sites import CopySite
 __all__ = ["CopyPlan"]
 
 
-def _members(name: str, sites: Iterable[CopySite]) -> frozenset:
+def _members(name: str, sites: Iterable[CopySite]) -> frozenset[CopySite]:
     if sites is None or isinstance(sites, (str, bytes)):
         raise TypeError(f"CopyPlan: {name} takes a set of CopySite members, got {sites!r}")
     if isinstance(sites, CopySite):
@@ -44,6 +44,9 @@ class CopyPlan:
 
     __slots__ = ("merge", "flush_after")
 
+    merge: frozenset[CopySite]
+    flush_after: frozenset[CopySite]
+
     def __init__(self, merge: Iterable[CopySite] = (), flush_after: Iterable[CopySite] = ()):
         merge = _members("merge", merge)
         flush_after = _members("flush_after", flush_after)
@@ -56,10 +59,10 @@ class CopyPlan:
         object.__setattr__(self, "merge", merge)
         object.__setattr__(self, "flush_after", flush_after)
 
-    def __setattr__(self, name, value):
+    def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError("CopyPlan is immutable")
 
-    def __eq__(self, other) -> bool:
+    def __eq__(self, other: object) -> bool:
         if not isinstance(other, CopyPlan):
             return NotImplemented
         return self.merge == other.merge and self.flush_after == other.flush_after

@@ -41,6 +41,9 @@ class CopySite(enum.Enum):
     is the declared direction.
     """
 
+    direction: Direction
+    """The :class:`Direction` the member was declared with."""
+
     def __new__(cls, direction: Direction) -> CopySite:
         if not isinstance(direction, Direction):
             raise TypeError(

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import collections
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .sites import CopySite
 
 __all__ = ["SiteStats", "CopyStats"]
 
@@ -27,11 +31,11 @@ class SiteStats:
 
     __slots__ = ("merged", "eager", "skipped", "fallback", "checked")
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.merged = 0
         self.eager = 0
         self.skipped = 0
-        self.fallback = collections.Counter()
+        self.fallback: collections.Counter[str] = collections.Counter()
         self.checked = 0
 
     def as_dict(self) -> dict:
@@ -71,21 +75,30 @@ class CopyStats:
         whole in the launch's parameters).
     """
 
-    def __init__(self):
+    sites: collections.defaultdict[CopySite, SiteStats]
+    steps: int
+    segments: int
+    bytes_staged: int
+    host_waits: int
+    eager_flushes: int
+    modes: dict[str, int]
+
+    def __init__(self) -> None:
         self.sites = collections.defaultdict(SiteStats)
+        self._zero()
+
+    def reset(self) -> None:
+        """Zero every counter (``sites`` is cleared in place: the copier's segment counts into it)."""
+        self.sites.clear()
+        self._zero()
+
+    def _zero(self) -> None:
         self.steps = 0
         self.segments = 0
         self.bytes_staged = 0
         self.host_waits = 0
         self.eager_flushes = 0
         self.modes = {"dma": 0, "mapped": 0, "inline": 0}
-
-    def reset(self) -> None:
-        """Zero every counter (``sites`` is cleared in place: the copier's segment counts into it)."""
-        sites = self.sites
-        self.__init__()
-        sites.clear()
-        self.sites = sites
 
     def as_dict(self) -> dict:
         """Counters as plain values, sites keyed by ``Class.MEMBER``."""

@@ -477,11 +477,13 @@ print("ok" if all(outs) else f"wrong bytes: {outs}")
 """
 
 
-def test_first_launches_behind_a_held_stream_do_not_wait_for_the_device():
+@pytest.mark.parametrize("cache", ["as_configured", "cold"])
+def test_first_launches_behind_a_held_stream_do_not_wait_for_the_device(cache, tmp_path):
     # In a fresh process (no kernel built or loaded yet), a copier's first steps run
     # behind a stalled stream. A kernel built, or lazily loaded (CUDA's default), at
     # its first launch may wait for the whole device, which a spinning kernel never
-    # frees: the copier builds its kernels when it is made, and loads them then.
+    # frees: the copier builds its kernels when it is made, and loads them then. With
+    # a cold kernel cache, the worker threads that build them compile them too.
     import os
     import subprocess
     import sys
@@ -489,6 +491,8 @@ def test_first_launches_behind_a_held_stream_do_not_wait_for_the_device():
 
     root = str(Path(__file__).resolve().parents[1])
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    if cache == "cold":
+        env["CUPY_CACHE_DIR"] = str(tmp_path)  # empty: NVRTC compiles every kernel
     r = subprocess.run(
         [sys.executable, "-c", _FRESH_PROCESS_STEPS],
         capture_output=True,

@@ -160,3 +160,147 @@ def test_source_digest_ties_files_to_their_commit(tmp_path):
     assert source_digest(tmp_path, rev="HEAD") == source_digest(tmp_path)
     assert source_digest(tmp_path, rev="HEAD~1") == first
     assert source_digest(tmp_path, rev="no-such-rev") is None
+
+
+# -- the main job and the probes ---------------------------------------------------------------
+
+BENCH = REPO / "bench"
+PROBES = sorted(p for p in (BENCH / "probes").glob("*.py") if p.name != "__init__.py")
+
+
+def test_bench_top_level_holds_the_main_job_only():
+    # scenarios of ``python -m bench``, their shared code and session tools; probes go under
+    # bench/probes/ (bench/README.md, Probes)
+    from bench import SCENARIOS
+
+    tools = {"__init__", "__main__", "_common", "_device", "digest", "kernel_check", "cold_start"}
+    assert {p.stem for p in BENCH.glob("*.py")} <= set(SCENARIOS) | tools
+
+
+@pytest.mark.parametrize("path", PROBES, ids=lambda p: p.stem)
+def test_each_probe_names_its_question_and_is_listed(path):
+    doc = path.read_text().split('"""')[1]
+    assert "Usage:" in doc and "Question:" in doc
+    assert "bench/results/" in doc  # the stored run holding its answer
+    assert f"`probes/{path.name}`" in (BENCH / "README.md").read_text()
+
+
+@pytest.mark.parametrize("path", PROBES, ids=lambda p: p.stem)
+def test_each_probe_shows_its_usage_without_a_gpu(path):
+    proc = subprocess.run(
+        [sys.executable, str(path), "--help"], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "usage:" in proc.stdout
+
+
+def test_cold_start_runs_fresh_processes_and_writes_json(tmp_path):
+    # on the simulated device nothing is compiled: this checks the script gpu_session.sh runs
+    out = tmp_path / "cold.json"
+    proc = subprocess.run(
+        [sys.executable, "bench/cold_start.py", "--sim", "--warm", "1", "--json", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    doc = json.loads(out.read_text())
+    assert [r["run"] for r in doc["runs"]] == ["cold", "warm1", "cold_serial"]
+    for r in doc["runs"]:
+        assert r["first_step_ok"] is True and r["backend"] == "sim"
+        assert r["first_copier_s"] >= 0 and r["second_copier_s"] >= 0
+    assert doc["cucopy_config"]["version"]
+    assert "first copier s" in proc.stdout and "cold_serial" in proc.stdout
+
+
+# -- what the output says ------------------------------------------------------------------------
+
+
+def test_each_table_carries_a_legend_of_its_contenders(quick_run):
+    proc, doc, _ = quick_run
+    out = proc.stdout
+    step_table = out.split("== step_cost ==")[1].split("== skip_unchanged ==")[0]
+    assert "legend:" in step_table
+    for name, description in doc["scenarios"]["step_cost"]["contenders"].items():
+        assert f"  {name}  " in step_table and description in step_table
+    skip_table = out.split("== skip_unchanged ==")[1]
+    assert "legend:" in skip_table and "cucopy_buffer" in skip_table
+
+
+def test_skip_unchanged_says_what_the_buffer_saves_and_why(quick_run):
+    proc, doc, _ = quick_run
+    table = proc.stdout.split("== skip_unchanged ==")[1]
+    # with nothing changed the buffer issues nothing: the saving is printed, not just host time
+    assert "changed=0: copies 0 of 32" in table
+    assert "bytes staged 0 of" in table
+    assert "why:" in table and "compares the new values" in table
+    rows = {
+        (r["contender"], r["changed"]): r for r in doc["scenarios"]["skip_unchanged"]["results"]
+    }
+    assert rows["cucopy_buffer", 0.0]["bytes_staged_per_step"] == 0
+    assert rows["cucopy_always", 0.0]["bytes_staged_per_step"] > 0
+
+
+def test_results_say_where_they_were_measured(quick_run):
+    _, doc, _ = quick_run
+    for name, result in doc["scenarios"].items():
+        assert result["device"] == "simulated device", name
+    assert doc["environment"]["cucopy_config"]["default_backend"]["name"] in ("sim", "cuda")
+
+
+def test_plot_titles_say_lower_is_better_and_simulated():
+    from bench._common import plot_title
+
+    assert plot_title("step_cost", "simulated device").endswith("lower is better")
+    assert "simulated device" in plot_title("step_cost", "simulated device")
+    assert plot_title("step_cost", "NVIDIA H200") == "step_cost on NVIDIA H200; lower is better"
+
+
+def test_progress_total_is_fixed_before_the_first_scenario():
+    import io
+
+    from bench._common import Progress
+
+    out = io.StringIO()
+    p = Progress(stream=out)
+    p.plan(5)
+    p.add(2)  # the first scenario announces its own share: no jump
+    p.advance("a")
+    p.advance("b")
+    p.skip_to(2)
+    p.add(3)
+    p.advance("c")
+    p.skip_to(5)  # the second stopped early: counted as done
+    assert [line.split()[0] for line in out.getvalue().splitlines()] == ["[1/5]", "[2/5]", "[3/5]"]
+    assert p.done == p.total == 5
+    q = Progress(stream=io.StringIO())  # a scenario run alone grows its own total
+    q.add(3)
+    assert q.total == 3
+
+
+def test_planned_jobs_match_what_the_scenarios_report():
+    import argparse
+
+    from bench import __main__ as suite
+    from bench import _device as devmod
+    from bench._common import Progress
+
+    class Counting(Progress):
+        def __init__(self):
+            super().__init__(enabled=False)
+            self.announced = 0
+
+        def add(self, jobs):
+            self.announced += jobs
+            super().add(jobs)
+
+    args = argparse.Namespace(quick=True, n=None, seed=0)
+    ctx = devmod.make_context(True, 0)
+    try:
+        for name in ("step_cost", "skip_unchanged", "decode_loop", "size_sweep"):
+            p = Counting()
+            suite.run_scenario(name, ctx, args, 2, 0, p)
+            assert p.announced == p.done == suite.planned_jobs(name, ctx, args), name
+    finally:
+        ctx.close()

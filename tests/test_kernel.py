@@ -7,6 +7,7 @@ tests fail under CI (``CI`` set) and skip elsewhere.
 from __future__ import annotations
 
 import os
+import re
 import sys
 
 import numpy as np
@@ -82,6 +83,37 @@ def test_source_is_packaged_text():
     for entry in kernels.ENTRY_POINTS:
         assert f"{entry}(" in src or f"CUCOPY_CARRIED_ENTRY({entry}," in src
     assert "struct CucopyHeader" in src and "struct CucopyDesc" in src
+
+
+def test_entry_bits_follow_entry_points():
+    # bit i of CUCOPY_ENTRIES guards ENTRY_POINTS[i] in scatter.cu
+    src = kernels.source()
+    guards = re.findall(
+        r"#if CUCOPY_BUILDS\((\d+)\)\n(?:extern \"C\"[^\n]*\n(\w+)\(|CUCOPY_CARRIED_ENTRY\((\w+),)",
+        src,
+    )
+    assert [(int(i), a or b) for i, a, b in guards] == list(enumerate(kernels.ENTRY_POINTS))
+    assert kernels.entry_mask(["cucopy_fill", "cucopy_scatter_c1k"]) == 0b110
+    with pytest.raises(ValueError, match="'cucopy_nope' is not a kernel of scatter.cu"):
+        kernels.entry_mask(["cucopy_nope"])
+
+
+@pytest.mark.parametrize(
+    "entry", ["cucopy_scatter", "cucopy_fill", "cucopy_scatter_c1k", "cucopy_scatter_c32k"]
+)
+def test_one_entry_point_builds_alone_warning_free(nvrtc, entry):
+    # the CUDA backend compiles each entry point as a module of its own
+    ptx = kernels.compile_ptx("sm_90", code=kernels.source([entry]))
+    assert re.findall(r"\.entry (\w+)\(", ptx) == [entry]
+
+
+def test_a_selected_build_keeps_the_file_s_line_numbers(nvrtc):
+    code = kernels.source(["cucopy_fill"]).replace(
+        "#define CUCOPY_THREADS 256", "#define CUCOPY_THREADS 256\n#error here", 1
+    )
+    line = kernels.source().splitlines().index("#define CUCOPY_THREADS 256") + 2
+    with pytest.raises(RuntimeError, match=rf"scatter\.cu\({line}\): [a-z ]*error"):
+        kernels.compile_ptx("sm_90", code=code)
 
 
 def carry_asserts(capacities=pack.CARRY_CAPACITIES, prefix=pack.CARRY_PREFIX) -> str:

@@ -8,8 +8,8 @@ Which API for which call
 Every call goes through ``cupy.cuda.runtime`` / ``cupy.cuda.driver``: they are
 ``cpdef`` Cython functions that take plain ints and return plain ints, so one
 call costs the C call plus one Python-to-C dispatch. ``cuda.bindings`` (cuda-python)
-wraps each argument in a typed object and returns a tuple. ``bench/backend_calls.py``
-times both; on an H200 (CuPy 14.2, cuda-bindings 13.3, host µs per call, medians,
+wraps each argument in a typed object and returns a tuple. The backend_calls probe
+timed both; on an H200 (CuPy 14.2, cuda-bindings 13.3, host µs per call, medians,
 ``bench/results/backend_calls_h200.json``) CuPy won every hot call: memcpyAsync
 2.7 vs 3.1-3.4, eventRecord 0.26 vs 0.47-0.51, eventQuery 1.34 vs 1.59-1.61,
 cudaGetDevice 0.08 vs 0.32, kernel launch 4.5 vs 5.4-6.4.
@@ -46,8 +46,10 @@ from __future__ import annotations
 import ctypes
 import functools
 import json
+import os
 import threading
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -57,7 +59,7 @@ from ..adapters import stream_handle
 from ..errors import CopyError
 from .base import Backend, DeviceBuffer, PinnedBuffer
 
-__all__ = ["CudaBackend", "gpu_available", "DEFAULT_MAPPED_THRESHOLD"]
+__all__ = ["CudaBackend", "gpu_available", "gpu_status", "DEFAULT_MAPPED_THRESHOLD"]
 
 # CUDA runtime constants (ABI-stable values from driver_types.h).
 _HOST_ALLOC_PORTABLE = 0x01
@@ -147,6 +149,31 @@ def _load():
 
 
 @functools.cache
+def gpu_status() -> tuple[bool, str]:
+    """Whether CuPy imports and sees at least one CUDA device, and why; never raises.
+
+    Returns
+    -------
+    available : bool
+    why : str
+        What was found, e.g. ``"CuPy sees 1 CUDA device"`` or ``"CuPy is not
+        installed (No module named 'cupy')"``.
+    """
+    try:
+        _load()
+    except ImportError as e:
+        return False, f"CuPy is not installed ({e})"
+    except Exception as e:  # a broken install: CuPy imports but cannot load CUDA
+        return False, f"CuPy does not import ({type(e).__name__}: {e})"
+    try:
+        count = _rt.getDeviceCount()
+    except Exception as e:
+        return False, f"CuPy sees no usable CUDA device ({type(e).__name__}: {e})"
+    if count <= 0:
+        return False, "CuPy sees no CUDA device"
+    return True, f"CuPy sees {count} CUDA device{'s' if count > 1 else ''}"
+
+
 def gpu_available() -> bool:
     """Whether CuPy imports and sees at least one CUDA device; never raises.
 
@@ -154,10 +181,7 @@ def gpu_available() -> bool:
     -------
     bool
     """
-    try:
-        return _load().cuda.runtime.getDeviceCount() > 0
-    except Exception:
-        return False
+    return gpu_status()[0]
 
 
 # -- kernel arguments --------------------------------------------------------------
@@ -266,7 +290,11 @@ class _Kernels:
 def _build(source: str, names, what: str, device: int) -> list:
     """Compile ``source`` with NVRTC and return its ``RawKernel`` objects in order.
 
-    Must run with ``device`` current. The error keeps NVRTC's log.
+    Must run with ``device`` current. The error keeps NVRTC's log. CuPy keeps the
+    compiled module in its disk cache (``CUPY_CACHE_DIR``), keyed by the source, the
+    options and the architecture: only a cold cache compiles. Every build uses the same
+    options (a kernel selection is written into the source): CuPy compiles an empty
+    program once per set of options and process to key its cache.
     """
     cupy = _load()
     try:
@@ -316,8 +344,55 @@ def _driver_entry(name: str):
     return None
 
 
+def _build_entry(name: str, device: int):
+    """Build one entry point of ``scatter.cu`` as a module of its own; returns its ``RawKernel``.
+
+    Runs on a worker thread of :func:`_kernels`: binds ``device``'s primary context
+    first (a fresh thread has none, and CuPy loads the module into the current one).
+    """
+    from .. import kernels as kernel_sources
+
+    try:
+        _rt.setDevice(device)
+    except _RuntimeError as e:
+        raise CopyError(f"cuda:{device}: building {name} failed: cudaSetDevice: {e}") from e
+    what = f"cucopy/kernels/scatter.cu ({name})"
+    (k,) = _build(kernel_sources.source((name,)), (name,), what, device)
+    return k
+
+
+def _workers(jobs: int) -> int:
+    """Threads that build ``jobs`` kernels: one per CPU this process may use, at most.
+
+    ``CUCOPY_BUILD_THREADS=n`` caps it (``1`` builds one kernel after another, as
+    ``bench/cold_start.py`` does to show what the threads save).
+    """
+    try:
+        cpus = len(os.sched_getaffinity(0))  # what this process may run on
+    except AttributeError:  # not on Linux
+        cpus = os.cpu_count() or 1
+    cap = os.environ.get("CUCOPY_BUILD_THREADS", "")
+    if cap.strip():
+        try:
+            cpus = min(cpus, int(cap))
+        except ValueError:
+            raise ValueError(f"CUCOPY_BUILD_THREADS: expected an int, got {cap!r}") from None
+    return max(1, min(jobs, cpus))
+
+
 @functools.cache
 def _kernels(device: int) -> _Kernels:
+    """Build and load every kernel a copier may launch on ``device``; called when one is made.
+
+    Built here, not at a first launch: loading a kernel may wait for the whole device
+    (CUDA's lazy loading), which never comes behind a kernel that spins until the host
+    acts (see :func:`_force_load`). Each entry point is compiled as a module of its own
+    (``kernels.source([name])``), on up to one thread per CPU: NVRTC releases the GIL and
+    compiles in parallel, so a cold kernel cache waits for the slowest entry point
+    rather than all nineteen in a row (to an sm_90 cubin on a CI-class CPU: the whole
+    file 3.4 s, one entry point 0.08-0.24 s). With CuPy's disk cache warm, this only
+    loads the modules.
+    """
     from .. import kernels as kernel_sources
 
     try:
@@ -330,18 +405,31 @@ def _kernels(device: int) -> _Kernels:
         for cap, name in zip(pack.CARRY_CAPACITIES, pack.CARRY_ENTRY_POINTS)
         if large or cap <= _SMALL_PARAMS_MAX
     ]
-
-    def build(caps):
-        names = ("cucopy_scatter", "cucopy_fill", *(name for _, name in caps))
-        return _build(kernel_sources.source(), names, "cucopy/kernels/scatter.cu", device)
-
-    try:
-        built = build(caps)
-    except CopyError:
+    names = ["cucopy_scatter", "cucopy_fill", *(name for _, name in caps)]
+    assert set(names) <= set(kernel_sources.ENTRY_POINTS), "internal: unknown entry point"
+    built: dict = {}
+    failed: dict = {}
+    with ThreadPoolExecutor(_workers(len(names)), thread_name_prefix="cucopy-build") as pool:
+        futures = {name: pool.submit(_build_entry, name, device) for name in names}
+        for name, future in futures.items():
+            try:
+                built[name] = future.result()
+            except CopyError as e:
+                failed[name] = e
+            except Exception as e:  # anything else a worker raised, with its cause kept
+                failed[name] = CopyError(f"cuda:{device}: building {name} failed: {e}")
+                failed[name].__cause__ = e
+    small = {name for cap, name in caps if cap <= _SMALL_PARAMS_MAX}
+    for name in names:
+        if name in failed and (name in small or name in ("cucopy_scatter", "cucopy_fill")):
+            raise failed[name]
+    if failed:  # a large carried kernel did not build: offer the small ones only, as before
         caps = [(cap, name) for cap, name in caps if cap <= _SMALL_PARAMS_MAX]
-        built = build(caps)
-    carried = {cap: k.kernel.ptr for (cap, _), k in zip(caps, built[2:])}
-    return _Kernels(built[0].kernel.ptr, built[1].kernel.ptr, carried, tuple(built))
+    carried = {cap: built[name].kernel.ptr for cap, name in caps}
+    keep = tuple(built[name] for name in names if name in built)
+    return _Kernels(
+        built["cucopy_scatter"].kernel.ptr, built["cucopy_fill"].kernel.ptr, carried, keep
+    )
 
 
 @functools.cache

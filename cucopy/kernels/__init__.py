@@ -2,8 +2,9 @@
 
 ``scatter.cu`` holds ``cucopy_scatter`` (applies one segment, see
 :mod:`cucopy.pack`), ``cucopy_scatter_c*`` (the same, with the segment's start
-carried in the launch's parameters) and ``cucopy_fill``. The CUDA backend builds it with
-``cupy.RawModule(code=source(), options=("-std=c++17",))``; :func:`compile_ptx`
+carried in the launch's parameters) and ``cucopy_fill``. The CUDA backend builds each
+entry point as a module of its own, ``cupy.RawModule(code=source([name]),
+options=("-std=c++17",))``, in parallel; :func:`compile_ptx`
 compiles it with NVRTC through cuda-python, so CI (which has no GPU) can check
 that it compiles warning-free and that its structs match the wire format.
 
@@ -13,11 +14,12 @@ Importing this module imports neither cupy nor cuda-python.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from importlib import resources
 
 from .. import pack
 
-__all__ = ["source", "compile_ptx", "ENTRY_POINTS", "NVRTC_OPTIONS"]
+__all__ = ["source", "entry_mask", "compile_ptx", "ENTRY_POINTS", "NVRTC_OPTIONS"]
 
 #: The ``extern "C"`` kernels in ``scatter.cu``.
 ENTRY_POINTS = ("cucopy_scatter", "cucopy_fill", *pack.CARRY_ENTRY_POINTS)
@@ -30,15 +32,60 @@ NVRTC_OPTIONS = ("-std=c++17", "--display-error-number")
 _WARNING = re.compile(r"\bwarning\b", re.IGNORECASE)
 
 
-def source() -> str:
+def source(entry_points: Iterable[str] | None = None) -> str:
     """Return the CUDA C source of the scatter and fill kernels.
+
+    Parameters
+    ----------
+    entry_points : iterable of str, optional
+        Define only these of :data:`ENTRY_POINTS` (``CUCOPY_ENTRIES`` in
+        ``scatter.cu``); None defines them all. The selection is written into the
+        text, not passed as a compiler option, so every selection shares one set of
+        options (CuPy's compile cache probes the compiler once per set of options).
 
     Returns
     -------
     str
-        The text of ``cucopy/kernels/scatter.cu``.
+        The text of ``cucopy/kernels/scatter.cu``, with a ``#define`` line first when
+        ``entry_points`` is given (a ``#line`` directive keeps the file's line numbers
+        in compiler messages).
+
+    Raises
+    ------
+    ValueError
+        If ``entry_points`` names a kernel that is not in :data:`ENTRY_POINTS`.
     """
-    return resources.files(__name__).joinpath("scatter.cu").read_text(encoding="utf-8")
+    text = resources.files(__name__).joinpath("scatter.cu").read_text(encoding="utf-8")
+    if entry_points is None:
+        return text
+    return f'#define CUCOPY_ENTRIES {entry_mask(entry_points):#x}u\n#line 1 "scatter.cu"\n{text}'
+
+
+def entry_mask(entry_points: Iterable[str]) -> int:
+    """The ``CUCOPY_ENTRIES`` bit mask selecting ``entry_points`` (bit i: ``ENTRY_POINTS[i]``).
+
+    Parameters
+    ----------
+    entry_points : iterable of str
+
+    Returns
+    -------
+    int
+
+    Raises
+    ------
+    ValueError
+        If a name is not in :data:`ENTRY_POINTS`.
+    """
+    mask = 0
+    for name in entry_points:
+        if name not in ENTRY_POINTS:
+            raise ValueError(
+                f"entry_points: {name!r} is not a kernel of scatter.cu; expected some of "
+                f"{ENTRY_POINTS}"
+            )
+        mask |= 1 << ENTRY_POINTS.index(name)
+    return mask
 
 
 def _nvrtc():

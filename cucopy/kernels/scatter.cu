@@ -51,9 +51,9 @@ struct CucopyDesc {
 // pack.BLOCK_BYTES (4 KiB, 256 windows of 16 bytes: one a thread) and cuts
 // wider descriptors (pack.split), so a round of one window is the whole job for
 // nearly every thread; unrolling further made each kernel three times larger and
-// measured no faster (bench/kernel_variants.py: 4 windows a round cost 0.1 to
+// measured no faster (the kernel_variants probe: 4 windows a round cost 0.1 to
 // 0.25 us more on the bench steps, bench/results/2026-11-30-h200-variants).
-// -DCUCOPY_UNROLL=n is a tuning knob for that probe.
+// -DCUCOPY_UNROLL=n was that probe's tuning knob.
 #ifndef CUCOPY_UNROLL
 #define CUCOPY_UNROLL 1
 #endif
@@ -64,6 +64,21 @@ struct CucopyDesc {
 // cost a second round trip for the descriptor itself, which in "mapped" mode
 // is a PCIe read of about a microsecond.
 #define CUCOPY_TABLE_MAX 256
+
+// Which extern "C" entry points this build defines: bit i of CUCOPY_ENTRIES is
+// kernels.ENTRY_POINTS[i] (0 cucopy_scatter, 1 cucopy_fill, 2 + k the k-th
+// carried capacity); kernels.source(names) defines it. Undefined: all of them.
+// The CUDA backend compiles one module per entry point, in parallel, so that a
+// cold first copier waits for the slowest kernel rather than all nineteen in a
+// row (NVRTC to an sm_90 cubin on a CI-class CPU: the whole file 3.4 s, one
+// entry point 0.08-0.24 s; the H200 run measures it: bench/cold_start.py).
+#ifdef CUCOPY_ENTRIES
+// a helper that the selected entry points do not call is expected, not a warning
+#pragma nv_diag_suppress 177
+#else
+#define CUCOPY_ENTRIES 0xffffffffu
+#endif
+#define CUCOPY_BUILDS(i) (((CUCOPY_ENTRIES) >> (i)) & 1u)
 
 // What one descriptor (or one cucopy_fill launch) asks for, decoded once into
 // registers. Work is cut into "windows": the 16-byte-aligned destination
@@ -428,6 +443,7 @@ static __device__ __forceinline__ void cucopy_apply(const CucopyDesc& d, cucopy_
 // more windows than bytes / 16, which is why pack.blocks_for counts windows
 // (in the same unstored run, 4096 rows of 4 bytes took 18.5 us on one block and
 // 2.5 us on 32).
+#if CUCOPY_BUILDS(0)
 extern "C" __global__ void __launch_bounds__(CUCOPY_THREADS)
 cucopy_scatter(const unsigned char* __restrict__ seg)
 {
@@ -516,6 +532,7 @@ cucopy_scatter(const unsigned char* __restrict__ seg)
 
     cucopy_apply<false>(*d, next_start, reinterpret_cast<cucopy_u64>(seg), b, false);
 }
+#endif
 
 // Standalone fill of `rows` rows of `width` bytes, `dpitch` apart, with the
 // `elem`-byte (1, 2, 4 or 8) little-endian pattern `value`; for CUDA graph
@@ -523,6 +540,7 @@ cucopy_scatter(const unsigned char* __restrict__ seg)
 // block = CUCOPY_THREADS. Suggested grid: min(max(1, ceil(rows * width /
 // 16384)), 1024), i.e. one block per pack.BLOCK_BYTES like the scatter, capped
 // where the grid stride already covers a few waves of an H200's 132 SMs.
+#if CUCOPY_BUILDS(1)
 extern "C" __global__ void __launch_bounds__(CUCOPY_THREADS)
 cucopy_fill(unsigned char* dst, unsigned long long dpitch, unsigned int width,
             unsigned int rows, unsigned long long value, unsigned int elem)
@@ -536,6 +554,7 @@ cucopy_fill(unsigned char* dst, unsigned long long dpitch, unsigned int width,
     cucopy_run<false>(j, (cucopy_u64)blockIdx.x * CUCOPY_THREADS + threadIdx.x, j.rows * j.ppr,
                       stride);
 }
+#endif
 
 // -- segments carried in the launch's parameters ------------------------------------
 //
@@ -570,7 +589,7 @@ static __device__ __forceinline__ cucopy_u32 cucopy_param_u32(cucopy_u64 addr)
     return *reinterpret_cast<const cucopy_u32*>(addr);
 }
 
-// Reads of the parameter buffer are not free (bench/kernel_floor.py, stored in
+// Reads of the parameter buffer are not free (the kernel_floor probe, stored in
 // bench/results/2026-11-30-h200-run9 and later: 128 blocks that each read a
 // 128-entry table, one descriptor a thread, then count, cost ~1 us above an
 // empty launch; a uniform binary search as much). So a block first tries the
@@ -691,22 +710,56 @@ static __device__ __forceinline__ void cucopy_scatter_carried(const CucopyCarrie
         cucopy_scatter_carried<CAP>(p);                                               \
     }
 
+#if CUCOPY_BUILDS(2)
 CUCOPY_CARRIED_ENTRY(cucopy_scatter_c1k, 1008)
+#endif
+#if CUCOPY_BUILDS(3)
 CUCOPY_CARRIED_ENTRY(cucopy_scatter_c2k, 2032)
+#endif
+#if CUCOPY_BUILDS(4)
 CUCOPY_CARRIED_ENTRY(cucopy_scatter_c4k, 4080)
+#endif
 #if __CUDACC_VER_MAJOR__ > 12 || (__CUDACC_VER_MAJOR__ == 12 && __CUDACC_VER_MINOR__ >= 1)
+#if CUCOPY_BUILDS(5)
 CUCOPY_CARRIED_ENTRY(cucopy_scatter_c6k, 6128)
+#endif
+#if CUCOPY_BUILDS(6)
 CUCOPY_CARRIED_ENTRY(cucopy_scatter_c8k, 8176)
+#endif
+#if CUCOPY_BUILDS(7)
 CUCOPY_CARRIED_ENTRY(cucopy_scatter_c10k, 10224)
+#endif
+#if CUCOPY_BUILDS(8)
 CUCOPY_CARRIED_ENTRY(cucopy_scatter_c12k, 12272)
+#endif
+#if CUCOPY_BUILDS(9)
 CUCOPY_CARRIED_ENTRY(cucopy_scatter_c14k, 14320)
+#endif
+#if CUCOPY_BUILDS(10)
 CUCOPY_CARRIED_ENTRY(cucopy_scatter_c16k, 16368)
+#endif
+#if CUCOPY_BUILDS(11)
 CUCOPY_CARRIED_ENTRY(cucopy_scatter_c18k, 18416)
+#endif
+#if CUCOPY_BUILDS(12)
 CUCOPY_CARRIED_ENTRY(cucopy_scatter_c20k, 20464)
+#endif
+#if CUCOPY_BUILDS(13)
 CUCOPY_CARRIED_ENTRY(cucopy_scatter_c22k, 22512)
+#endif
+#if CUCOPY_BUILDS(14)
 CUCOPY_CARRIED_ENTRY(cucopy_scatter_c24k, 24560)
+#endif
+#if CUCOPY_BUILDS(15)
 CUCOPY_CARRIED_ENTRY(cucopy_scatter_c26k, 26608)
+#endif
+#if CUCOPY_BUILDS(16)
 CUCOPY_CARRIED_ENTRY(cucopy_scatter_c28k, 28656)
+#endif
+#if CUCOPY_BUILDS(17)
 CUCOPY_CARRIED_ENTRY(cucopy_scatter_c30k, 30704)
+#endif
+#if CUCOPY_BUILDS(18)
 CUCOPY_CARRIED_ENTRY(cucopy_scatter_c32k, 32736)
+#endif
 #endif

@@ -1,11 +1,14 @@
 """Where the host time of one cucopy step goes (torch CUDA destinations, NumPy sources).
 
 Usage:
-    python bench/profile_host.py [--n 32] [--steps 300] [--json PATH]
+    python bench/probes/profile_host.py [--n 32] [--steps 300] [--json PATH]   # torch CUDA
 
-Prints per-call costs of the pieces (array resolution, begin, staging copies,
-flush) and a cProfile of whole steps, sorted by own time. Host time only: no
-GPU timing here (see step_cost.py).
+Question: which calls dominate a whole step's host time (begin, staging, flush)?
+Answered for the pure-Python path in ``bench/results/2026-11-30-h200-host/profile_host.json``;
+kept while the host path is still being moved into compiled code (the answer changes
+with it). Prints per-call costs of the pieces (array resolution, begin, staging copies,
+flush) and a cProfile of whole steps, sorted by own time. Host time only: no GPU
+timing here (see ``bench/step_cost.py``).
 """
 
 from __future__ import annotations
@@ -15,12 +18,17 @@ import cProfile
 import io
 import json
 import pstats
+import sys
 import time
+from pathlib import Path
 
-import numpy as np
+if __package__ in (None, ""):  # run as a script: make ``cucopy`` importable from the checkout
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import cucopy as cc
-from cucopy.adapters import resolve
+import numpy as np  # noqa: E402
+
+import cucopy as cc  # noqa: E402
+from cucopy.adapters import resolve  # noqa: E402
 
 
 class Site(cc.CopySite):

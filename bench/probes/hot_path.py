@@ -1,9 +1,13 @@
 """Break one merged copy's host cost into its pieces (torch CUDA dst, NumPy src).
 
 Usage:
-    python bench/hot_path.py [--n 32]
+    python bench/probes/hot_path.py [--n 32]      # needs torch with CUDA
 
-Times each step of the staged-H2D fast path in isolation, then the whole
+Question: what does one merged copy cost the host, piece by piece (array resolution,
+layout, the memoryview copy into the slot, the copier's own work)? Still open: the
+target is 0.5 µs a copy and the pure-Python path takes 3.4-3.6 µs on the H200 host
+(``bench/results/2026-12-01-h200-run20/hot_path.log``; every GPU session since run 2
+stores one). Times each piece of the staged-H2D fast path in isolation, then the whole
 ``copier.copy`` with the garbage collector on and off. Host time only.
 """
 
@@ -11,13 +15,18 @@ from __future__ import annotations
 
 import argparse
 import gc
+import sys
 import time
+from pathlib import Path
 
-import numpy as np
+if __package__ in (None, ""):  # run as a script: make ``cucopy`` importable from the checkout
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import cucopy as cc
-from cucopy import _layout
-from cucopy.adapters import resolve
+import numpy as np  # noqa: E402
+
+import cucopy as cc  # noqa: E402
+from cucopy import _layout  # noqa: E402
+from cucopy.adapters import resolve  # noqa: E402
 
 
 class Site(cc.CopySite):
