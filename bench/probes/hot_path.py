@@ -5,8 +5,9 @@ Usage:
 
 Question: what does one merged copy cost the host, piece by piece (array resolution,
 layout, the memoryview copy into the slot, the copier's own work)? Still open: the
-target is 0.5 µs a copy and the pure-Python path takes 3.4-3.6 µs on the H200 host
-(``bench/results/2026-12-01-h200-run20/hot_path.log``; every GPU session since run 2
+target is 0.5 µs a copy; the pure-Python path took 3.55 µs on the H200 host
+(``bench/results/2026-12-01-h200-run20/hot_path.log``), the compiled staging core 0.99
+(``bench/results/2026-12-01-h200-run21/hot_path.log``; every GPU session since run 2
 stores one). Times each piece of the staged-H2D fast path in isolation, then the whole
 ``copier.copy`` with the garbage collector on and off. Host time only.
 """
