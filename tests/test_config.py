@@ -24,12 +24,13 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_version_is_pep440_and_matches_the_installed_metadata():
     assert re.fullmatch(r"\d+\.\d+\.\d+([ab]\d+|rc\d+)?(\.post\d+)?(\.dev\d+)?", cc.__version__)
     try:
-        installed = importlib.metadata.version("cucopy")
+        dist = importlib.metadata.distribution("cucopy")
     except importlib.metadata.PackageNotFoundError:
         pytest.skip("cucopy is not installed (run from a checkout)")
-    # an editable install of another checkout may be older; only this one's must agree
-    if Path(importlib.metadata.distribution("cucopy").locate_file("")).resolve() == ROOT:
-        assert installed == cc.__version__
+    # only an install of this checkout must agree (another checkout may be older)
+    url = json.loads(dist.read_text("direct_url.json") or "{}").get("url", "")
+    if url.startswith("file://") and Path(url[len("file://") :]).resolve() == ROOT:
+        assert dist.version == cc.__version__
 
 
 def test_pyproject_reads_the_version_from_the_package():
