@@ -167,7 +167,11 @@ class _Update:
 
 
 class _Fill:
-    """What an issued tail fill wrote: ``pattern`` over elements ``start:``."""
+    """What an issued tail fill wrote: ``pattern`` over elements ``start:``.
+
+    ``start`` and ``dense`` count elements of the filled view, whose element size
+    (``len(pattern)``) may differ from the buffer's.
+    """
 
     __slots__ = ("start", "pattern", "region", "dense")
 
@@ -182,6 +186,9 @@ class _Fill:
             return True
         if self.dense is None:
             return False
+        # the view's elements, not the buffer's (``itemsize``): a fill through an
+        # int32 view of an int8 buffer counts 4-byte elements
+        itemsize = len(self.pattern)
         ptr, size = self.dense
         a, b = ptr + self.start * itemsize, ptr + size * itemsize
         lasts = [x for f in region if (x := _last_in(f, a, b)) is not None]

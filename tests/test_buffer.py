@@ -678,3 +678,40 @@ def test_values_compare_as_bytes(env):
     assert buf.update(np.array([0.0, np.nan], np.float32)) is False  # NaN equals itself
     assert buf.update(np.array([-0.0, np.nan], np.float32)) is True  # -0.0 is other bytes
     assert np.signbit(env.to_host(t)[0])
+
+
+# -- records of views whose dtype differs from the buffer's ----------------------------------------
+
+
+def test_a_fill_through_a_wider_view_is_trimmed_in_its_own_elements(env):
+    """A fill through an int32 view of an int8 buffer, then a 4-byte update inside its tail:
+    the fill's record must move past the update in int32 elements (it used to count the
+    view's elements in the buffer's bytes and keep claiming element 5)."""
+    c = env.copier(PLAN)
+    x = env.empty((64,), np.int8)
+    buf = cc.DeviceCopyBuffer(x, site=Site.LENS)
+    with c.activate():
+        with c.step():
+            assert buf.fill_tail(0, 7, view=x.view(np.int32), site=Site.PAD) is True
+            assert buf.update(np.full(4, 9, np.int8), view=x[20:24]) is True
+        with c.step():
+            assert buf.fill_tail(0, 7, view=x.view(np.int32), site=Site.PAD) is True
+            assert buf.fill_tail(0, 7, view=x.view(np.int32), site=Site.PAD) is False
+    assert env.to_host(x).view(np.int32).tolist() == [7] * 16
+
+
+def test_a_fill_through_a_narrower_view_is_trimmed_in_its_own_elements(env):
+    """The reverse: an int8 view of an int32 buffer, a one-element prefix update, then a
+    fill from byte 2 must be issued (the update overwrote bytes 2 and 3)."""
+    c = env.copier(PLAN)
+    x = env.empty((16,), np.int32)
+    buf = cc.DeviceCopyBuffer(x, site=Site.LENS)
+    with c.activate():
+        with c.step():
+            assert buf.fill_tail(0, 7, view=x.view(np.int8), site=Site.PAD) is True
+            assert buf.update(i32(0x01010101)) is True
+        with c.step():
+            assert buf.fill_tail(2, 7, view=x.view(np.int8), site=Site.PAD) is True
+            assert buf.fill_tail(4, 7, view=x.view(np.int8), site=Site.PAD) is False
+    got = env.to_host(x).view(np.int8)
+    assert got[:4].tolist() == [1, 1, 7, 7] and (got[4:] == 7).all()
