@@ -421,6 +421,10 @@ class DeviceCopyBuffer:
             if info is None:
                 try:
                     raw = np.asarray(host)
+                    if raw.dtype.kind in "USV":
+                        raise TypeError("not numbers")
+                    if raw.dtype.kind == "c" and dtype.kind != "c":
+                        raise TypeError("complex values into a real dtype")
                     arr = raw.astype(dtype) if raw.dtype != dtype else raw
                 except (TypeError, ValueError, OverflowError) as exc:
                     raise ValueError(
@@ -573,7 +577,8 @@ class DeviceCopyBuffer:
         start : int
             First element of the tail, in the flattened buffer (or ``view``).
         value : scalar
-            Converted to the destination's dtype; must be representable.
+            A number the destination's dtype holds exactly, as for
+            :meth:`DeviceCopier.fill_tail <cucopy.DeviceCopier.fill_tail>`.
         view : array, optional
             A view of the buffer's storage; None fills the whole buffer's tail.
         key : hashable, optional

@@ -529,7 +529,9 @@ class DeviceCopier:
         start : int
             First element of the tail (0 <= start).
         value : scalar
-            Converted to ``dst``'s dtype; must be representable.
+            A number that ``dst``'s dtype holds exactly (``0.1`` does not fit
+            float32; NaN and infinities fit every float dtype). Strings, and
+            complex values into a real dtype, are refused.
         unchanged : bool
             The caller asserts the tail already holds ``value``.
         on_drop : callable, optional
@@ -943,8 +945,12 @@ def _pattern(site, dtype, value) -> bytes:
             arr = np.asarray(value)
             if arr.ndim != 0:
                 raise ValueError("not a scalar")
+            if arr.dtype.kind in "USV" or isinstance(value, (str, bytes)):
+                raise TypeError("not a number")
+            if arr.dtype.kind == "c" and dtype.kind != "c":
+                raise TypeError("a complex value into a real dtype")
             cast = arr.astype(dtype)
-            if arr.dtype.kind in "biuf" and dtype.kind in "biuf" and cast != arr:
+            if dtype.kind in "biufc" and not _same_number(arr.item(), cast.item()):
                 raise ValueError("not representable")
     except (ValueError, TypeError, OverflowError, FloatingPointError) as exc:
         raise ValueError(
@@ -954,6 +960,12 @@ def _pattern(site, dtype, value) -> bytes:
     if key is not None and len(_patterns) < 4096:
         _patterns[key] = out
     return out
+
+
+def _same_number(a, b) -> bool:
+    """Exact equality of two Python numbers, NaN equal to NaN (Python compares an int
+    and a float exactly, so ``2**53 + 1`` does not equal ``2.0**53``)."""
+    return a == b or (a != a and b != b)
 
 
 def _snapshot(buf, off, s, nbytes) -> None:

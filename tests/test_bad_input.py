@@ -398,6 +398,42 @@ CASES = [
         ValueError,
         r"Site\.TAIL: fill value 'x' does not fit dtype int32",
     ),
+    case(
+        "fill_value_a_numeric_string",
+        lambda k: k.c.fill_tail(Site.TAIL, k.a, 0, "7"),
+        ValueError,
+        r"Site\.TAIL: fill value '7' does not fit dtype int32 \(not a number\)",
+    ),
+    case(
+        "fill_value_a_float_string",
+        lambda k: k.c.fill_tail(Site.TAIL, k.a.view(np.float32), 0, "1e3"),
+        ValueError,
+        r"Site\.TAIL: fill value '1e3' does not fit dtype float32 \(not a number\)",
+    ),
+    case(
+        "fill_value_bytes",
+        lambda k: k.c.fill_tail(Site.TAIL, k.a, 0, b"7"),
+        ValueError,
+        r"Site\.TAIL: fill value b'7' does not fit dtype int32 \(not a number\)",
+    ),
+    case(
+        "fill_value_complex_into_float",
+        lambda k: k.c.fill_tail(Site.TAIL, k.a.view(np.float32), 0, 1 + 2j),
+        ValueError,
+        r"Site\.TAIL: fill value \(1\+2j\) does not fit dtype float32 \(a complex value",
+    ),
+    case(
+        "fill_value_complex_with_no_imaginary_part_into_float",
+        lambda k: k.c.fill_tail(Site.TAIL, k.a.view(np.float32), 0, 1 + 0j),
+        ValueError,
+        r"Site\.TAIL: fill value \(1\+0j\) does not fit dtype float32 \(a complex value",
+    ),
+    case(
+        "fill_value_int_inexact_in_float64",
+        lambda k: k.c.fill_tail(Site.TAIL, k.b.view(np.float64), 0, 2**53 + 1),
+        ValueError,
+        r"Site\.TAIL: fill value 9007199254740993 does not fit dtype float64",
+    ),
     # -- state: closed, capture, check mode --------------------------------------------------------------
     case(
         "closed_copier_copy",

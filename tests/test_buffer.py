@@ -715,3 +715,20 @@ def test_a_fill_through_a_narrower_view_is_trimmed_in_its_own_elements(env):
             assert buf.fill_tail(4, 7, view=x.view(np.int8), site=Site.PAD) is False
     got = env.to_host(x).view(np.int8)
     assert got[:4].tolist() == [1, 1, 7, 7] and (got[4:] == 7).all()
+
+
+def test_update_values_that_are_strings_or_complex_are_refused(env):
+    c = env.copier(PLAN)
+    t = env.empty((4,))
+    f = env.empty((4,), np.float32)
+    buf, fbuf = cc.DeviceCopyBuffer(t, site=Site.LENS), cc.DeviceCopyBuffer(f, site=Site.LENS)
+    with c.activate(), c.step():
+        assert buf.update(i32(1, 2, 3, 4)) is True
+        with pytest.raises(ValueError, match=r"Site\.LENS: values \['7', '8'\] do not convert"):
+            buf.update(["7", "8"])
+        with pytest.raises(ValueError, match=r"Site\.LENS: values '7' do not convert"):
+            buf.update("7")
+        with pytest.raises(ValueError, match=r"Site\.LENS: values \[\(1\+2j\)\] do not convert"):
+            fbuf.update([1 + 2j])
+        assert buf.records == 1 and fbuf.records == 0 and c.staged == 1
+    assert env.to_host(t).tolist() == [1, 2, 3, 4]

@@ -520,3 +520,17 @@ def test_range_set_claim_matches_a_byte_model():
             assert all(a < b for a, b in pairs)
             assert all(b1 < a2 for (_, b1), (a2, _) in zip(pairs, pairs[1:]))
             assert set().union(*(range(a, b) for a, b in pairs)) == held
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_nan_and_infinities_fill_a_float_destination(env, dtype):
+    """NaN and +-inf are exactly representable in every float dtype: filled, not refused."""
+    c = env.copier(PLAN)
+    a = env.empty((12,), dtype)
+    with c.step():
+        assert c.fill_tail(Site.TAIL, a[:4], 0, float("nan")) is True
+        assert c.fill_tail(Site.TAIL, a[4:8], 0, np.inf) is True
+        assert c.fill_tail(Site.TAIL2, a[8:], 0, -np.inf) is True  # eager
+    got = env.to_host(a)
+    assert np.isnan(got[:4]).all()
+    assert (got[4:8] == np.inf).all() and (got[8:] == -np.inf).all()
