@@ -477,7 +477,7 @@ class DeviceCopier:
         if direction is _H2D and dst is not d and site in self._merge:
             fp = fingerprint_fn(dst)
             f = _layout.form(d.ptr, d.shape, d.strides, d.dtype.itemsize) if fp else None
-            if f is not None:
+            if f is not None and d.size:  # an empty copy stages nothing: never cached
                 self._seg.remember(dst, fp, f, d.dtype, d.size)
                 self._remember_base(site, dst, fp)
             if type(src) is not np.ndarray and s.host is not None and src is not s:

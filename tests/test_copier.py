@@ -534,3 +534,25 @@ def test_nan_and_infinities_fill_a_float_destination(env, dtype):
     got = env.to_host(a)
     assert np.isnan(got[:4]).all()
     assert (got[4:8] == np.inf).all() and (got[8:] == -np.inf).all()
+
+
+def test_zero_size_copies_stage_nothing_on_any_path(env):
+    """Empty copies return False and stage nothing, also once the destination is cached
+    for the fast path (three merged ones used to return [False, True, True] and stage two
+    0-byte descriptors)."""
+    c = env.copier(PLAN)
+    a, e = env.empty((4,)), env.empty((0,))
+    e2 = env.empty((3, 0))
+    with c.step():
+        assert c.copy(Site.POS, a, np.arange(4, dtype=np.int32)) is True  # a segment is open
+        got = [c.copy(Site.POS, e, np.zeros(0, np.int32)) for _ in range(3)]
+        got += [c.copy(Site.LENS, e2, np.zeros((3, 0), np.int32)) for _ in range(2)]
+        got += [c.copy(Site.PLAIN, e, np.zeros(0, np.int32))]
+        got += [c.copy(Site.GATHER, e, e), c.copy(Site.GATHER2, e, e)]
+        got += [c.fill_tail(Site.TAIL, e, 0, 1), c.fill_tail(Site.TAIL2, e2, 0, 1)]
+        assert got == [False] * len(got)
+        assert c.staged == 1
+    assert c.copy(Site.POS, e, np.zeros(0, np.int32)) is False  # outside a step
+    assert c.stats.sites[Site.POS].merged == 1 and c.stats.sites[Site.POS].eager == 0
+    assert c.stats.sites[Site.LENS].merged == 0 and c.stats.sites[Site.PLAIN].eager == 0
+    assert env.to_host(a).tolist() == [0, 1, 2, 3]
