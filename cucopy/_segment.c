@@ -31,6 +31,7 @@
 #define WINDOWS_PER_BLOCK 256
 #define BLOCK_BYTES (WINDOWS_PER_BLOCK * 16)
 #define DCACHE_MAX 4096
+#define MAXDIM 16 /* dimensions of a shape the fast path compares */
 
 enum { MISS = 0, STAGED = 1, BARRIER = 2, FULL = -1, ORDER = -2 };
 
@@ -294,6 +295,8 @@ typedef struct {
     addr_t ptr, lo, hi;
     int64_t rows, width, pitch, nbytes, itemsize;
     int kind; /* 0: no 2-D form (only a base for views) */
+    int ndim; /* the array's shape (-1: unknown: only flat sources match it) */
+    int64_t shape[MAXDIM];
 } Cached;
 
 static void cached_dealloc(Cached *c) {
@@ -378,6 +381,7 @@ static Cached *cached_new(PyObject *x, PyObject *fp, PyObject *dtype) {
     c->geom = NULL;
     c->vdtype = NULL;
     c->kind = 0;
+    c->ndim = -1;
     c->dtype = Py_NewRef(dtype);
     PyObject *spec = PyObject_GetAttr(fp, s_spec);
     if (spec && PyTuple_Check(spec)) {
@@ -533,10 +537,18 @@ static PyObject *seg_take_top(Segment *s, PyObject *arg) {
     return PyLong_FromLong(-1);
 }
 
+static int ints(PyObject *seq, int64_t *out, int max);
+
 static PyObject *seg_remember(Segment *s, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 5) {
-        PyErr_SetString(PyExc_TypeError, "remember(dst, fp, f, dtype, size)");
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError, "remember(dst, fp, f, dtype, size, shape)");
         return NULL;
+    }
+    int64_t shape[MAXDIM];
+    int ndim = ints(args[5], shape, MAXDIM);
+    if (ndim < 0) {
+        if (PyErr_Occurred()) return NULL;
+        ndim = -1; /* more dimensions than the fast path follows */
     }
     PyObject *dst = args[0], *fp = args[1], *f = args[2], *dtype = args[3];
     long long g[4] = {0};
@@ -561,6 +573,8 @@ static PyObject *seg_remember(Segment *s, PyObject *const *args, Py_ssize_t narg
         Py_RETURN_NONE;
     }
     c->itemsize = itemsize;
+    c->ndim = ndim;
+    if (ndim > 0) memcpy(c->shape, shape, (size_t)ndim * sizeof(int64_t));
     c->geom = Py_NewRef(f);
     if (f != Py_None) {
         c->ptr = ptr; c->rows = g[1]; c->width = g[2]; c->pitch = g[3];
@@ -603,12 +617,17 @@ static PyObject *seg_remember_src(Segment *s, PyObject *const *args, Py_ssize_t 
     }
     addr_t ptr = (addr_t)(uintptr_t)b.buf;
     int64_t nbytes = b.len;
+    int64_t shape[MAXDIM];
+    int ndim = b.ndim <= MAXDIM ? b.ndim : -1;
+    for (int i = 0; i < ndim; i++) shape[i] = b.shape[i];
     PyBuffer_Release(&b);
     Cached *c = cached_new(args[0], args[1], args[3]);
     if (!c) {
         if (PyErr_Occurred()) return NULL;
         Py_RETURN_NONE;
     }
+    c->ndim = ndim;
+    if (ndim > 0) memcpy(c->shape, shape, (size_t)ndim * sizeof(int64_t));
     c->geom = Py_NewRef(args[2]); /* keeps the bytes alive while cached */
     c->ptr = ptr;
     c->nbytes = nbytes;
@@ -704,9 +723,24 @@ typedef struct {
     addr_t ptr, lo, hi;
     int64_t rows, width, pitch, nbytes;
     int kind;
+    int ndim; /* the destination's shape (-1: unknown) */
+    int64_t shape[MAXDIM];
     PyObject *dtype; /* borrowed from the cache entry */
     PyObject *geom;  /* new reference */
 } Geo;
+
+/* The copier's shape rule, as far as the fast path follows it: a flat source (one
+ * dimension once leading 1s are dropped) fills any destination, otherwise the shapes
+ * must be equal; anything else (leading 1s on one side only) is the general path's. */
+static int shape_fits(int sn, const Py_ssize_t *ss, int dn, const int64_t *ds) {
+    int i = 0;
+    while (i < sn - 1 && ss[i] == 1) i++;
+    if (sn - i <= 1) return 1;
+    if (sn != dn) return 0;
+    for (int k = 0; k < sn; k++)
+        if ((int64_t)ss[k] != ds[k]) return 0;
+    return 1;
+}
 
 /* _layout.form: a view as rows of width bytes, pitch apart; 0 when it is not one */
 static int form(const int64_t *shape, const int64_t *strides, int ndim, int64_t itemsize,
@@ -780,9 +814,11 @@ static int view_geo(Segment *s, PyObject *dst, PyObject *vspec, Geo *g) {
     if (!strides) goto out;
     addr_t ptr = PyLong_AsUnsignedLongLong(p);
     if (PyErr_Occurred()) goto out;
-    int64_t sh[16], st[16];
-    int nd = ints(shape, sh, 16), ns = ints(strides, st, 16);
+    int64_t sh[MAXDIM], st[MAXDIM];
+    int nd = ints(shape, sh, MAXDIM), ns = ints(strides, st, MAXDIM);
     if (nd < 0 || ns != nd) goto out;
+    g->ndim = nd;
+    memcpy(g->shape, sh, (size_t)nd * sizeof(int64_t));
     int64_t numel = 1;
     for (int i = 0; i < nd; i++) {
         numel *= sh[i];
@@ -828,6 +864,8 @@ static PyObject *h2d_fast(Segment *s, PyObject *site, PyObject *dst, PyObject *s
         if (!c->kind || !cached_valid(c, dst)) return PyLong_FromLong(MISS);
         g.ptr = c->ptr; g.lo = c->lo; g.hi = c->hi; g.rows = c->rows; g.width = c->width;
         g.pitch = c->pitch; g.nbytes = c->nbytes; g.kind = c->kind; g.dtype = c->dtype;
+        g.ndim = c->ndim;
+        if (c->ndim > 0) memcpy(g.shape, c->shape, (size_t)c->ndim * sizeof(int64_t));
         g.geom = Py_NewRef(c->geom);
     } else {
         if (PyErr_Occurred()) return NULL;
@@ -853,7 +891,7 @@ static PyObject *h2d_fast(Segment *s, PyObject *site, PyObject *dst, PyObject *s
         if (eq != 1) { if (eq < 0) PyErr_Clear(); goto miss; }
         Py_buffer b;
         if (PyObject_GetBuffer(src, &b, PyBUF_C_CONTIGUOUS) < 0) { PyErr_Clear(); goto miss; }
-        if (b.len == g.nbytes)
+        if (b.len == g.nbytes && shape_fits(b.ndim, b.shape, g.ndim, g.shape))
             r = skip ? 1
                      : append_raw(s, site, on_drop, g.ptr, g.rows, g.width, g.pitch, g.lo, g.hi,
                                   g.nbytes, g.kind, b.buf, g.geom);
@@ -865,7 +903,10 @@ static PyObject *h2d_fast(Segment *s, PyObject *site, PyObject *dst, PyObject *s
         Py_DECREF(key);
         if (!sc) { if (PyErr_Occurred()) goto fail; goto miss; }
         Py_INCREF(sc);
-        if (sc->nbytes == g.nbytes && cached_valid(sc, src)) {
+        Py_ssize_t sshape[MAXDIM];
+        for (int i = 0; i < sc->ndim; i++) sshape[i] = (Py_ssize_t)sc->shape[i];
+        if (sc->nbytes == g.nbytes && sc->ndim >= 0 &&
+            shape_fits(sc->ndim, sshape, g.ndim, g.shape) && cached_valid(sc, src)) {
             int eq = sc->dtype == g.dtype ? 1 : PyObject_RichCompareBool(sc->dtype, g.dtype, Py_EQ);
             if (eq < 0) PyErr_Clear();
             if (eq == 1 && skip) r = 1;

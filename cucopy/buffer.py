@@ -508,6 +508,7 @@ class DeviceCopyBuffer:
             if n == 0:
                 return False
             dst = self._prefix(n)
+            src = arr if arr.ndim == 1 else arr.reshape(-1)  # a prefix is flat
             base = self._info.ptr
             region = [(base, 1, n * self._it, n * self._it)]
             slot = (key, None)
@@ -522,7 +523,7 @@ class DeviceCopyBuffer:
                 )
             if n == 0:
                 return False
-            dst = view
+            dst, src = view, arr
             base = None
             region = _region(v.ptr, v.shape, v.strides, v.dtype.itemsize)
             slot = (key, geom)
@@ -531,7 +532,7 @@ class DeviceCopyBuffer:
             self.invalidate()
             if self.site is None:
                 return True
-            return _copier.copy(self.site, dst, arr)
+            return _copier.copy(self.site, dst, src)
         rec = self._updates.get(slot)
         same = False
         if rec is not None and not force:
@@ -551,12 +552,12 @@ class DeviceCopyBuffer:
             self._updates[slot] = _Update(self._own(arr, data, borrowed), region, base)
             return True
         if same:
-            _copier.copy(self.site, dst, arr, unchanged=True, on_drop=self.invalidate)
+            _copier.copy(self.site, dst, src, unchanged=True, on_drop=self.invalidate)
             return False
         # drop first: a copy that raises leaves no record claiming its bytes
         self._updates.pop(slot, None)
         self._written(region)
-        issued = _copier.copy(self.site, dst, arr, on_drop=self.invalidate)
+        issued = _copier.copy(self.site, dst, src, on_drop=self.invalidate)
         if issued:
             self._updates[slot] = _Update(self._own(arr, data, borrowed), region, base)
         return issued

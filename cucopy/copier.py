@@ -146,6 +146,7 @@ class DeviceCopier:
         self.stats = CopyStats()
         self._closed = False
         self._in_step = False
+        self._stepping = False  # a step() block is open
         self._capturing = False
         self._owner = None
         self._slot = None
@@ -352,11 +353,29 @@ class DeviceCopier:
 
     @contextlib.contextmanager
     def step(self):
-        """``begin()``; on exit ``flush()``; on an exception ``discard()`` and re-raise."""
+        """``begin()``; on exit ``flush()``; on an exception ``discard()`` and re-raise.
+
+        Raises
+        ------
+        CopyError
+            When a ``step()`` block of this copier is already open: the inner block's
+            exit would end the outer step. The open step is left as it was. (Use
+            :meth:`flush` for a barrier inside a step; :meth:`begin` ends the step and
+            starts the next.)
+        """
+        self._live()
+        if self._stepping:
+            raise CopyError(
+                "step(): a step() block of this copier is already open; nested step() "
+                "blocks are refused (the inner exit would end the outer step). Use "
+                "flush() for a barrier inside the step"
+            )
         self.begin()
+        self._stepping = True
         try:
             yield self
         except BaseException as exc:
+            self._stepping = False
             try:
                 self.discard()
             except CopyError as drop_error:
@@ -364,6 +383,7 @@ class DeviceCopier:
                 if hasattr(exc, "add_note"):
                     exc.add_note(f"cucopy: while discarding: {drop_error}")
             raise
+        self._stepping = False
         try:
             self.flush()
         finally:
@@ -440,7 +460,13 @@ class DeviceCopier:
         dst : array
             Device destination on the copier's device.
         src : array
-            Host source (``H2D``) or device source (``D2D``), same dtype and size.
+            Host source (``H2D``) or device source (``D2D``): the same dtype and
+            number of elements as ``dst``, and ``dst``'s shape, as torch's ``copy_``
+            asks (without broadcasting; leading dimensions of size 1 aside: ``(1, 8)``
+            fills ``(8,)``). One exception: a flat source (one dimension, leading
+            dimensions of size 1 aside) fills any ``dst`` of as many elements in C
+            order, as ``dst.reshape(-1)[:] = src`` would. So ``(8,)`` fills
+            ``(2, 4)``, while ``(2, 4)`` into ``(8,)`` or ``(4, 2)`` is refused.
         unchanged : bool
             The caller asserts ``dst`` already holds these values; nothing is issued.
         on_drop : callable, optional
@@ -478,7 +504,7 @@ class DeviceCopier:
             fp = fingerprint_fn(dst)
             f = _layout.form(d.ptr, d.shape, d.strides, d.dtype.itemsize) if fp else None
             if f is not None and d.size:  # an empty copy stages nothing: never cached
-                self._seg.remember(dst, fp, f, d.dtype, d.size)
+                self._seg.remember(dst, fp, f, d.dtype, d.size, d.shape)
                 self._remember_base(site, dst, fp)
             if type(src) is not np.ndarray and s.host is not None and src is not s:
                 fp = fingerprint_fn(src)  # a torch CPU tensor: its bytes found by identity
@@ -491,6 +517,11 @@ class DeviceCopier:
             raise ValueError(
                 f"{site.label}: size mismatch: dst has {n} elements ({d.label}), "
                 f"src has {s.size} ({s.label})"
+            )
+        if d.shape != s.shape and len(s.shape) != 1 and not _fits_shape(d.shape, s.shape):
+            raise ValueError(
+                f"{site.label}: shape mismatch: dst {d.label}, src {s.label}; src must "
+                "have dst's shape (leading dimensions of size 1 aside) or be 1-D"
             )
         if on_drop is not None and not callable(on_drop):
             raise TypeError(f"{site.label}: on_drop must be callable, got {on_drop!r}")
@@ -513,7 +544,7 @@ class DeviceCopier:
         except (TypeError, ValueError):
             return
         f = _layout.form(b.ptr, b.shape, b.strides, b.dtype.itemsize)
-        self._seg.remember(base, fp, f, b.dtype, b.size)
+        self._seg.remember(base, fp, f, b.dtype, b.size, b.shape)
 
     def fill_tail(
         self, site: CopySite, dst, start: int, value, *, unchanged: bool = False, on_drop=None
@@ -960,6 +991,22 @@ def _pattern(site, dtype, value) -> bytes:
     if key is not None and len(_patterns) < 4096:
         _patterns[key] = out
     return out
+
+
+def _core_shape(shape) -> tuple:
+    """``shape`` without its leading dimensions of size 1."""
+    i = 0
+    while i < len(shape) and shape[i] == 1:
+        i += 1
+    return tuple(shape[i:])
+
+
+def _fits_shape(dshape, sshape) -> bool:
+    """Whether a source of shape ``sshape`` may fill a destination of ``dshape`` (same
+    element count): the same shape once leading dimensions of size 1 are dropped, or a
+    flat source (one dimension left), whose elements fill ``dst`` in C order."""
+    core = _core_shape(sshape)
+    return len(core) <= 1 or core == _core_shape(dshape)
 
 
 def _same_number(a, b) -> bool:

@@ -52,6 +52,18 @@ _KIND_H2D, _KIND_H2D_2D, _KIND_D2D = pack.KIND_H2D, pack.KIND_H2D_2D, pack.KIND_
 _DESC, _HEADER, _ALIGN, _BLOCK = pack.DESC_BYTES, pack.HEADER_BYTES, pack.ALIGN, pack.BLOCK_BYTES
 
 
+def _shape_fits(sshape, dshape) -> bool:
+    """The copier's shape rule, as far as the fast path follows it: a flat source (one
+    dimension once leading 1s are dropped) fills any destination, otherwise the shapes
+    must be equal; anything else (leading 1s on one side only) is the general path's."""
+    if len(sshape) <= 1 or sshape == dshape:
+        return True
+    for n in sshape[:-1]:
+        if n != 1:
+            return False
+    return True
+
+
 class RangeSet:
     """Byte ranges as sorted disjoint intervals, for overlap queries in O(log n)."""
 
@@ -261,7 +273,7 @@ class PySegment:
 
     # -- destinations --------------------------------------------------------------------
 
-    def remember(self, dst, fp, f, dtype, size) -> None:
+    def remember(self, dst, fp, f, dtype, size, shape) -> None:
         """Cache a merged destination's geometry by identity (revalidated by ``fp(dst)``).
 
         Parameters
@@ -278,6 +290,8 @@ class PySegment:
         dtype : numpy.dtype
         size : int
             Elements.
+        shape : tuple of int
+            Its shape (a source must fit it: :func:`_shape_fits`).
         """
         try:  # by weak reference: the cache must not keep a user's device memory alive
             ref = weakref.ref(dst)
@@ -292,7 +306,7 @@ class PySegment:
             vdtype = getattr(dst, view[7])
             self.vtypes[type(dst)] = view
         if f is None:
-            cache[id(dst)] = (ref, fp, fp(dst), None, 0, 0, 0, dtype, size, 0, vdtype)
+            cache[id(dst)] = (ref, fp, fp(dst), None, 0, 0, 0, dtype, size, 0, vdtype, shape)
             return
         ptr, rows, width, pitch = f
         kind = _KIND_H2D if rows == 1 else _KIND_H2D_2D
@@ -308,6 +322,7 @@ class PySegment:
             size,
             kind,
             vdtype,
+            tuple(shape),
         )
 
     def _view(self, dst):
@@ -352,7 +367,7 @@ class PySegment:
         ptr, rows, width, pitch = f
         kind = _KIND_H2D if rows == 1 else _KIND_H2D_2D
         hi = ptr + (rows - 1) * pitch + width
-        return (None, None, None, f, ptr, hi, rows * width, dtype, size, kind, None)
+        return (None, None, None, f, ptr, hi, rows * width, dtype, size, kind, None, shape)
 
     def remember_src(self, src, fp, host, dtype) -> None:
         """Cache a host source that is not a NumPy array (a torch CPU tensor) by identity.
@@ -433,7 +448,7 @@ class PySegment:
             dtype, src = s[4], s[3]
         else:
             dtype = src.dtype
-        if dtype != ent[7] or src.size != ent[8]:
+        if dtype != ent[7] or src.size != ent[8] or not _shape_fits(src.shape, ent[11]):
             return MISS
         if skip:
             return STAGED

@@ -732,3 +732,15 @@ def test_update_values_that_are_strings_or_complex_are_refused(env):
             fbuf.update([1 + 2j])
         assert buf.records == 1 and fbuf.records == 0 and c.staged == 1
     assert env.to_host(t).tolist() == [1, 2, 3, 4]
+
+
+def test_a_prefix_update_takes_host_values_of_any_shape(env):
+    """A prefix is flat: a 2-D host array fills it in C order (copy() itself refuses a
+    2-D source into a 1-D destination)."""
+    c = env.copier(PLAN)
+    t = env.empty((8,))
+    buf = cc.DeviceCopyBuffer(t, site=Site.LENS)
+    with c.activate(), c.step():
+        assert buf.update(np.arange(6, dtype=np.int32).reshape(2, 3)) is True
+        assert buf.update(np.arange(6, dtype=np.int32)) is False
+    assert env.to_host(t).tolist() == [0, 1, 2, 3, 4, 5, 0, 0]

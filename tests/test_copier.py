@@ -556,3 +556,88 @@ def test_zero_size_copies_stage_nothing_on_any_path(env):
     assert c.stats.sites[Site.POS].merged == 1 and c.stats.sites[Site.POS].eager == 0
     assert c.stats.sites[Site.LENS].merged == 0 and c.stats.sites[Site.PLAIN].eager == 0
     assert env.to_host(a).tolist() == [0, 1, 2, 3]
+
+
+def test_a_nested_step_block_is_refused_and_the_outer_step_goes_on(env):
+    """The inner ``with step():`` used to end the outer step at its exit."""
+    c = env.copier(PLAN)
+    a, b = env.empty((4,)), env.empty((4,))
+    with c.step():
+        c.copy(Site.POS, a, np.arange(4, dtype=np.int32))
+        with pytest.raises(cc.CopyError, match=r"step\(\): a step\(\) block .* already open"):
+            with c.step():
+                raise AssertionError("the nested block must not run")
+        assert c.in_step and c.staged == 1
+        c.copy(Site.LENS, b, np.full(4, 5, np.int32))
+        assert c.staged == 2
+    assert not c.in_step and c.staged == 0
+    assert env.to_host(a).tolist() == [0, 1, 2, 3] and env.to_host(b).tolist() == [5] * 4
+    with c.step():  # not nested: fine again, as is begin() inside a block (the next step)
+        c.copy(Site.POS, a, np.full(4, 1, np.int32))
+        c.begin()
+        assert c.staged == 0 and c.in_step
+    assert env.to_host(a).tolist() == [1] * 4
+    with pytest.raises(KeyError), c.step():  # an exception in the block still closes it
+        raise KeyError("x")
+    with c.step():
+        pass
+
+
+@pytest.mark.parametrize(
+    "dshape, sshape",
+    [((8,), (8,)), ((2, 4), (2, 4)), ((2, 4), (8,)), ((2, 4), (1, 8)), ((8,), (1, 8)),
+     ((1, 8), (8,)), ((1, 2, 4), (2, 4)), ((2, 4), (1, 2, 4))],
+)  # fmt: skip
+def test_shapes_that_fill_a_destination(env, dshape, sshape):
+    """Equal shapes (leading 1s aside), or a flat source filling ``dst`` in C order."""
+    c = env.copier(PLAN)
+    a, dsrc = env.empty(dshape), env.asarray(np.arange(8, dtype=np.int32).reshape(sshape))
+    want = np.arange(8).reshape(dshape).tolist()
+    for site in (Site.POS, Site.PLAIN):
+        with c.step():
+            assert c.copy(site, a, np.arange(8, dtype=np.int32).reshape(sshape)) is True
+        assert env.to_host(a).tolist() == want
+        assert c.copy(Site.PLAIN, a, np.zeros(sshape, np.int32)) is True
+    for site in (Site.GATHER, Site.GATHER2):
+        with c.step():
+            assert c.copy(site, a, dsrc) is True
+        assert env.to_host(a).tolist() == want
+        assert c.copy(Site.PLAIN, a, np.zeros(sshape, np.int32)) is True
+
+
+@pytest.mark.parametrize(
+    "dshape, sshape", [((8,), (2, 4)), ((2, 4), (4, 2)), ((8,), (8, 1)), ((2, 4), (2, 2, 2))]
+)
+def test_shapes_that_differ_are_refused_as_torch_copy_does(env, dshape, sshape):
+    """``(2, 4)`` into ``(8,)`` used to land silently reshaped; torch's copy_ refuses it."""
+    c = env.copier(PLAN)
+    a, keep = env.empty(dshape), env.empty((4,))
+    host = np.arange(8, dtype=np.int32).reshape(sshape)
+    dev_src = env.asarray(host)
+    with c.step():
+        c.copy(Site.POS, keep, np.full(4, 3, np.int32))
+        for site, src in [(Site.POS, host), (Site.POS, host), (Site.PLAIN, host),
+                          (Site.GATHER, dev_src), (Site.GATHER2, dev_src)]:  # fmt: skip
+            with pytest.raises(ValueError, match=rf"{site.label}: shape mismatch: dst .* src"):
+                c.copy(site, a, src)
+        assert c.staged == 1
+    assert env.to_host(keep).tolist() == [3] * 4
+    assert not env.to_host(a).any()
+    with pytest.raises(ValueError, match=r"Site\.POS: shape mismatch"):
+        c.copy(Site.POS, a, host)  # outside a step too
+
+
+def test_the_fast_path_follows_the_shape_rule_for_fresh_views(env):
+    """Views made afresh each call (``buf[:8]``) of a known array take the fast path:
+    it must refuse a source of another shape as the general path does."""
+    c = env.copier(PLAN)
+    buf = env.empty((16,))
+    with c.step():
+        assert c.copy(Site.POS, buf[:8], np.arange(8, dtype=np.int32)) is True  # now known
+        assert c.copy(Site.POS, buf[8:], np.full(8, 9, np.int32)) is True  # a fresh view
+        for _ in range(2):
+            with pytest.raises(ValueError, match=r"Site\.POS: shape mismatch"):
+                c.copy(Site.POS, buf[:8], np.zeros((2, 4), np.int32))
+        assert c.copy(Site.POS, buf[:8], np.ones((1, 8), np.int32)) is True
+        assert c.staged == 2
+    assert env.to_host(buf).tolist() == [1] * 8 + [9] * 8

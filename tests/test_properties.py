@@ -155,6 +155,19 @@ def _span(kind: str, n: int, rows: int, width: int, pitch: int) -> int:
     return rows * pitch
 
 
+def _shapes_fit(dshape, sshape) -> bool:
+    """The copier's shape rule: a flat source (one dimension once leading dimensions of
+    size 1 are dropped), or the destination's shape up to leading dimensions of size 1."""
+
+    def core(shape):
+        shape = list(shape)
+        while shape and shape[0] == 1:
+            del shape[0]
+        return shape
+
+    return len(core(sshape)) <= 1 or core(sshape) == core(dshape)
+
+
 def _flat_assign(view: np.ndarray, values: np.ndarray) -> None:
     view[...] = values.reshape(view.shape)
 
@@ -249,18 +262,21 @@ class Program:
             nbytes = d.int(8193, 65536)
         return max(1, nbytes // dt.itemsize), dt
 
-    def view(self, n: int, dt) -> View:
+    def view(self, n: int, dt, rows: int = 0) -> View:
+        """A view of ``n`` elements; ``rows`` > 0: a 2-D one of that many rows."""
         d = self.d
         it = dt.itemsize
         # strided layouts run per row or per element in the sim: keep them short
         kinds = ["slice", "rows", "rows_skip"]
         if n <= 256:
             kinds += ["step", "rev", "rows_step", "rows_rev"]
+        if rows:
+            kinds = [k for k in kinds if k.startswith("rows")]
         kind = d.pick(kinds)
-        rows, width, pitch, col = 1, n, 1, 0
+        rows, width, pitch, col = rows or 1, n, 1, 0
         if kind.startswith("rows"):
             divs = [k for k in range(1, min(n, 16) + 1) if n % k == 0]
-            rows = d.pick(divs)
+            rows = rows if rows > 1 else d.pick(divs)
             width = n // rows
             span = width if kind != "rows_step" else 2 * (width - 1) + 1
             col = d.int(0, 3)
@@ -269,8 +285,12 @@ class Program:
             pitch = d.int(2, 3)
         need = _span(kind, n, rows, width, pitch)
         fits = [i for i, b in enumerate(self.arrays) if b.size // it >= need]
-        if not fits:  # too big for any layout but a slice of the large array
-            kind, rows, width, pitch, col = "slice", 1, n, 1, 0
+        if not fits:  # too big for any layout but a dense one in the large array
+            if rows > 1 and kind.startswith("rows"):
+                kind, width, col = "rows", n // rows, 0
+                pitch = width
+            else:
+                kind, rows, width, pitch, col = "slice", 1, n, 1, 0
             need = n
             fits = [len(self.arrays) - 1]
         base = d.pick(fits)
@@ -452,6 +472,17 @@ class Program:
         self.log.append(f"#{oid} copy({site.label}, {dv}, {sv})")
         dst = make_view(self.arrays[dv.base], dv)
         src = make_view(self.arrays[sv.base], sv)
+        if not _shapes_fit(dst.shape, src.shape):
+            # refused at the call, with nothing staged lost; then into a view of the
+            # source's shape
+            staged = self.copier.staged
+            with pytest.raises(ValueError, match=rf"{site.label}: shape mismatch"):
+                self._copy(site, dst, src, oid, on_drop=self.dropper(oid))
+            assert self.copier.staged == staged
+            self.figures["refused"] += 1
+            dv = self.view(n, dt, rows=src.shape[0])
+            self.log.append(f"  refused; #{oid} copy({site.label}, {dv}, {sv})")
+            dst = make_view(self.arrays[dv.base], dv)
         assert self._copy(site, dst, src, oid, on_drop=self.dropper(oid)) is True
         self.figures["copies"] += 1
         self.figures["bytes"] += n * dt.itemsize
