@@ -28,6 +28,9 @@ __all__ = ["DeviceCopyBuffer", "routing_copier", "is_capturing"]
 # extent (conservative: it may drop records it does not really touch).
 _MAX_BLOCKS = 8
 
+# how check mode reports a record-only buffer's skip (see check.verify_unchanged)
+_SKIPPED = {"count": False, "what": "skipped upload into"}
+
 
 def routing_copier(dst):
     """The copier that ``cucopy.copy(site, dst, ...)`` would use right now.
@@ -544,8 +547,11 @@ class DeviceCopyBuffer:
         if self.site is None:
             if same:
                 if check.CHECK_MODE:
-                    c = routing_copier(dst)
-                    check.verify_bytes(c.backend, c.stream, self._name, resolve(dst), data)
+                    # in program order: the owner's own copy may still be staged
+                    d = resolve(dst)
+                    check.verify_unchanged(
+                        routing_copier(dst), self._name, d, resolve(src), None, **_SKIPPED
+                    )
                 return False
             self._updates.pop(slot, None)
             self._written(region)
@@ -655,9 +661,9 @@ class DeviceCopyBuffer:
         if site is None:
             if same:
                 if check.CHECK_MODE:
-                    c = routing_copier(dst)
-                    want = np.frombuffer(pattern * (v.size - start), np.uint8)
-                    check.verify_bytes(c.backend, c.stream, self._name, v, want, start)
+                    check.verify_unchanged(
+                        routing_copier(dst), self._name, v, None, (start, pattern), **_SKIPPED
+                    )
                 return False
         elif same:
             issue(unchanged=True)

@@ -27,7 +27,7 @@ from . import _layout
 from .adapters import resolve
 from .errors import CopyError
 
-__all__ = ["CHECK_MODE", "expect_landed", "Checker", "verify_unchanged", "verify_bytes"]
+__all__ = ["CHECK_MODE", "expect_landed", "Checker", "verify_unchanged"]
 
 CHECK_MODE: bool = os.environ.get("CUCOPY_CHECK", "") not in ("", "0")
 
@@ -251,19 +251,32 @@ def _overlay(buf, lo, hi, staged, backend, stream) -> None:
                 buf[x0 - lo : x1 - lo] = row[x0 - a : x1 - a]
 
 
-def verify_unchanged(copier, site, d, s, fill) -> None:
+def verify_unchanged(copier, site, d, s, fill, *, count: bool = True, what=None) -> None:
     """Check an ``unchanged=True`` claim against the device in program order.
+
+    In a step of ``copier`` the check runs at its next flush (or :meth:`begin`), with
+    the copies staged before the claim applied; outside a step, at once. Owners that
+    skip an upload through their own copy path (a record-only
+    :class:`~cucopy.DeviceCopyBuffer`) check their skips here too.
 
     Parameters
     ----------
     copier : DeviceCopier
+        The copier whose stream and staged copies give program order.
     site : CopySite
+        Names the claim in errors (anything with a ``label``).
     d : ArrayInfo
         The destination.
     s : ArrayInfo or None
         The source of a copy (host or device), None for a fill.
     fill : tuple or None
         ``(start, pattern_bytes)`` of a fill.
+    count : bool
+        Count the check in ``copier.stats.sites[site]`` (False for a ``site`` that
+        is not a copy site).
+    what : str, optional
+        What the error calls the claim (default: ``"unchanged copy into"`` or
+        ``"unchanged fill_tail of"``).
     """
     backend, stream = copier.backend, copier.stream
     it = d.dtype.itemsize
@@ -279,7 +292,8 @@ def verify_unchanged(copier, site, d, s, fill) -> None:
     host = None
     if s is not None and s.device is None:
         host = np.ascontiguousarray(s.host).reshape(-1).view(np.uint8).reshape(-1, it).copy()
-    copier.stats.sites[site].checked += 1
+    if count:
+        copier.stats.sites[site].checked += 1
 
     def run():
         buf = dsnap.read(backend, stream).copy()
@@ -289,7 +303,7 @@ def verify_unchanged(copier, site, d, s, fill) -> None:
             start, pattern = fill
             got = got[start:]
             want = np.broadcast_to(np.frombuffer(pattern, np.uint8), got.shape)
-            _first_diff(site, "unchanged fill_tail of", d, got, want)
+            _first_diff(site, what or "unchanged fill_tail of", d, got, want)
             return
         if host is not None:
             want = host
@@ -298,27 +312,9 @@ def verify_unchanged(copier, site, d, s, fill) -> None:
             sbuf = snap.read(backend, stream).copy()
             _overlay(sbuf, slo, shi, staged, backend, stream)
             want = _elements(sbuf, slo, s.ptr, s.shape, s.strides, it)
-        _first_diff(site, "unchanged copy into", d, got, want)
+        _first_diff(site, what or "unchanged copy into", d, got, want)
 
     if checker is not None:
         checker.pending.append(run)
     else:
         run()
-
-
-def verify_bytes(backend, stream, site, d, want: np.ndarray, start: int = 0) -> None:
-    """Check that device array ``d`` holds ``want`` (C-order bytes) from element ``start``.
-
-    Used by owners that skip an upload through their own copy path.
-    """
-    it = d.dtype.itemsize
-    lo, hi = _layout.extent(d.ptr, d.shape, d.strides, it)
-    buf = _Snap(backend, stream, lo, hi).read(backend, stream)
-    got = _elements(buf, lo, d.ptr, d.shape, d.strides, it)[start:]
-    _first_diff(
-        site,
-        "skipped upload into",
-        d,
-        got,
-        np.asarray(want).reshape(-1).view(np.uint8).reshape(-1, it),
-    )

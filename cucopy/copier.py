@@ -221,6 +221,8 @@ class DeviceCopier:
         try:
             if self._seg.staged:
                 self._flush_segment()
+            elif self._checker is not None and self._checker.pending:
+                self._checker.verify_pending()
         finally:
             try:
                 self._ring.record(self._stream)
@@ -266,11 +268,19 @@ class DeviceCopier:
     def begin(self) -> None:
         """Start a step: advance the ring (waiting only if the next slot is in flight).
 
-        Anything still staged from the previous step is flushed first.
+        Anything still staged from the previous step is flushed first, and in check
+        mode its ``unchanged`` claims are verified.
+
+        Raises
+        ------
+        CopyError
+            From that flush (nothing staged is lost), or a false claim in check mode.
         """
         self._live()
         seg = self._seg
-        if self._in_step and seg.staged:
+        if seg.staged or (self._checker is not None and self._checker.pending):
+            # also staged copies left by a step whose final flush raised, and check
+            # mode's deferred claims: a new checker must not forget them
             self.flush()
         self._in_step = seg.fast = False
         self._checker = check.Checker(self) if check.CHECK_MODE else None

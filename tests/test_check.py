@@ -149,3 +149,48 @@ def test_check_mode_off_costs_no_device_reads(monkeypatch):
     with c.step():
         c.copy(Site.POS, a, np.ones(8, np.int32))
     assert env.dev.device_reads > 0
+
+
+def test_a_false_claim_is_not_forgotten_by_the_next_begin(env, check_mode):
+    """begin() with nothing staged used to replace the checker without running the
+    claims it deferred to the flush."""
+    c = env.copier(PLAN)
+    a = env.empty((4,))
+    c.begin()
+    assert c.copy(Site.POS, a, np.ones(4, np.int32), unchanged=True) is False  # false
+    with pytest.raises(cc.CopyError, match=r"Site\.POS: unchanged copy into .*elements 0\.\.3"):
+        c.begin()
+    c.begin()  # the claim was reported once; the copier goes on
+    c.copy(Site.POS, a, np.full(4, 2, np.int32))
+    c.flush()
+    assert env.to_host(a).tolist() == [2] * 4
+    c.begin()
+    c.fill_tail(Site.TAIL, a, 0, 3, unchanged=True)  # false again
+    with pytest.raises(cc.CopyError, match=r"Site\.TAIL: unchanged fill_tail of"):
+        c.close()
+    assert c.closed
+
+
+def test_record_only_skip_sees_the_owners_staged_copy(env, check_mode):
+    """A record-only buffer whose owner copies through a merged site: repeating the same
+    update in the step is a true skip, although the copy has not landed yet (it used to
+    raise "skipped upload ... differ", reading the device without the staged copy)."""
+    c = env.copier(PLAN)
+    a = env.empty((4,))
+    buf = cc.DeviceCopyBuffer(a, site=None)
+    v = np.arange(1, 5, dtype=np.int32)
+    with c.activate():
+        with c.step():
+            assert buf.update(v) is True
+            cc.copy(Site.POS, a, v)  # the owner's copy, staged
+            assert buf.update(v) is False
+            assert buf.fill_tail(2, 7) is True
+            cc.fill_tail(Site.TAIL, a, 2, 7)
+            assert buf.fill_tail(2, 7) is False
+            assert buf.fill_tail(3, 7) is False
+        assert env.to_host(a).tolist() == [1, 2, 7, 7]
+        with c.step():
+            env.write(env.default_stream, a, np.zeros(4, np.int32))  # behind the record
+            assert buf.update(v[:2]) is False
+            with pytest.raises(cc.CopyError, match=r"record-only\): skipped upload into"):
+                c.flush()
