@@ -225,6 +225,12 @@ def _equal(a: np.ndarray, b: np.ndarray) -> bool:
     return a.tobytes() == b.tobytes() if a.nbytes <= 4096 else bool(np.array_equal(a, b))
 
 
+def _short(x) -> str:
+    """``repr(x)``, cut short for a message."""
+    r = repr(x)
+    return r if len(r) <= 60 else r[:57] + "..."
+
+
 def _bytes(arr: np.ndarray) -> np.ndarray:
     """C-order bytes of ``arr`` as a flat uint8 array (a view when already contiguous)."""
     return np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
@@ -270,9 +276,13 @@ class DeviceCopyBuffer:
 
     During CUDA graph capture every update and fill is issued and no record
     is kept (existing ones are dropped): the graph re-runs the copy at each
-    replay. A replay that writes this buffer changes it behind the record, so
-    call :meth:`invalidate` after such a replay, or give the graph's copies a
-    buffer of their own.
+    replay, re-reading its host source. So a captured update needs the caller's
+    own pinned, contiguous array (values this buffer would have to convert are
+    refused), and a ``fill_tail`` through an ``H2D`` site is refused (its tail
+    would be an array of the buffer's making): fill through a ``FILL`` site. A
+    replay that writes this buffer changes it behind the record, so call
+    :meth:`invalidate` after such a replay, or give the graph's copies a buffer
+    of their own.
 
     The record knows only writes made through this object. Anything else that
     writes the buffer must be followed by :meth:`invalidate`; check mode
@@ -490,7 +500,8 @@ class DeviceCopyBuffer:
             Dtype mismatch, or a read-only view.
         ValueError
             ``host`` longer than the buffer, a size that does not match
-            ``view``, or a ``view`` that is not of this buffer's storage.
+            ``view``, or a ``view`` that is not of this buffer's storage; during
+            graph capture, values this buffer had to convert or copy.
         CopyError
             In check mode, a skip whose bytes are not on the device (raised
             at the call, or at the active copier's next flush).
@@ -532,6 +543,14 @@ class DeviceCopyBuffer:
             slot = (key, geom)
         data = _bytes(arr)
         if is_capturing(dst):
+            if self.site is not None and not (borrowed and np.may_share_memory(src, arr)):
+                # the copier's own "must be pinned" error would name an array the
+                # caller never saw
+                raise ValueError(
+                    f"{self._label}: update() during graph capture needs the caller's own "
+                    f"pinned, contiguous host array (the graph re-reads it at every "
+                    f"replay); values {_short(host)} became a copy this buffer made"
+                )
             self.invalidate()
             if self.site is None:
                 return True
@@ -604,8 +623,8 @@ class DeviceCopyBuffer:
         Raises
         ------
         ValueError
-            An H2D site with a strided destination, a bad ``start`` or ``value``,
-            or a bad ``view``.
+            An H2D site with a strided destination or during graph capture, a bad
+            ``start`` or ``value``, or a bad ``view``.
         CopyError
             In check mode, a skip whose bytes are not on the device.
         """
@@ -651,6 +670,13 @@ class DeviceCopyBuffer:
                 return False
             return issue() if site.direction is Direction.FILL else False
         if is_capturing(dst):
+            if site is not None and site.direction is not Direction.FILL:
+                raise ValueError(
+                    f"{site.label}: fill_tail through this buffer's H2D site cannot be "
+                    "captured: the tail's values would be a host array of the buffer's "
+                    "making, which the graph re-reads at every replay; pass "
+                    "fill_tail(..., site=<a FILL site>) during capture"
+                )
             self.invalidate()
             if site is None:
                 return True

@@ -744,3 +744,27 @@ def test_a_prefix_update_takes_host_values_of_any_shape(env):
         assert buf.update(np.arange(6, dtype=np.int32).reshape(2, 3)) is True
         assert buf.update(np.arange(6, dtype=np.int32)) is False
     assert env.to_host(t).tolist() == [0, 1, 2, 3, 4, 5, 0, 0]
+
+
+def test_capture_refuses_arrays_of_the_buffers_making_by_name(env):
+    """Under capture, an H2D-site fill_tail used to fail with "H2D source must be pinned
+    ... got pageable numpy.ndarray", naming an array the buffer made; it is refused with
+    a message about the buffer, and nothing is issued or forgotten."""
+    stream = env.stream()
+    c = env.copier(PLAN, stream=stream)
+    t = env.empty((2, 3))
+    buf = cc.DeviceCopyBuffer(t, site=Site.LENS)
+    src = env.pinned((6,))
+    src[:] = 4
+    with c.activate():
+        with c.step():
+            assert buf.update(src) is True
+        with env.capture(stream) as graph, c.step():
+            with pytest.raises(ValueError, match=r"Site\.LENS: fill_tail through this buffer's"):
+                buf.fill_tail(4, -1)
+            with pytest.raises(ValueError, match=r"Site\.LENS: update\(\) during graph capture"):
+                buf.update([1, 2])
+            assert buf.records == 1  # nothing was issued: the record still holds
+            assert buf.fill_tail(4, -1, site=Site.PAD) is True  # a FILL site is captured
+        graph.replay(stream)
+    assert env.to_host(t).reshape(-1).tolist() == [4, 4, 4, 4, -1, -1]
