@@ -141,7 +141,9 @@ class DeviceCopier:
         # waiting for its peers). A copier is made before such phases.
         caps = self._backend.carry_capacities()
         self._carry_max = caps[-1] if caps else 0
-        free_orphans()  # rings of copiers collected without close(), freed here
+        # rings of copiers collected without close(), freed here once their work is
+        # done (never waited for: a copier may be made inside a stream hold)
+        free_orphans()
         self._ring = StagingRing(self._backend, slots, capacity)
         self.stats = CopyStats()
         self._closed = False
@@ -207,6 +209,7 @@ class DeviceCopier:
             Bytes freed (pinned and device).
         """
         self._live()
+        free_orphans(wait=True)
         return self._ring.trim()
 
     def close(self) -> None:
@@ -214,7 +217,9 @@ class DeviceCopier:
 
         A copier the garbage collector takes without ``close()`` frees nothing then
         (the collector may run inside a stream hold, where a wait never returns): its
-        ring is set aside and freed when the next copier is made or closed.
+        ring is set aside and freed when the next copier is made (once the ring's work
+        has completed: a copier made inside a hold does not wait on held work), closed
+        or trimmed; a free that fails is tried again then.
         """
         if self._closed:
             return
@@ -236,7 +241,7 @@ class DeviceCopier:
             check.unregister(self)
             if self._finalizer.detach() is not None:
                 self._ring.close()
-            free_orphans()
+            free_orphans(wait=True)
 
     def __enter__(self) -> DeviceCopier:
         """Return the copier; leaving the ``with`` block closes it.

@@ -31,23 +31,54 @@ _DEMAND_WINDOW = 64
 # slots, wait for the device, at whatever moment a collection happens to run).
 _orphans: list = []
 _orphans_lock = threading.Lock()
+# A ring whose free keeps failing (its device gone) is dropped after this many tries.
+_ORPHAN_TRIES = 8
 
 
 def orphan(ring: StagingRing) -> None:
     """Set aside the ring of a copier the garbage collector took (see :func:`free_orphans`)."""
-    _orphans.append(ring)
-
-
-def free_orphans() -> None:
-    """Wait for and free the rings :func:`orphan` set aside (a copier is made or closed)."""
     with _orphans_lock:
-        rings = _orphans[:]
+        _orphans.append([ring, 0])
+
+
+def free_orphans(wait: bool = False) -> int:
+    """Free the rings :func:`orphan` set aside (a copier is made, closed or trimmed).
+
+    A ring whose slots are still in flight (their work queued behind a held stream,
+    say) is kept for a later call unless ``wait``: a copier made inside a hold must
+    not wait on held work. A free that fails (on the simulated device, a free while
+    another stream is held; cucopy's buffers free retry-safely) is kept and tried
+    again later, up to a few times.
+
+    Parameters
+    ----------
+    wait : bool
+        Wait for in-flight slots (``close()`` and ``trim()``, which wait for the
+        device anyway).
+
+    Returns
+    -------
+    int
+        Rings still set aside.
+    """
+    with _orphans_lock:
+        entries = _orphans[:]
         del _orphans[:]
-    for ring in rings:
+    keep = []
+    for entry in entries:
+        ring = entry[0]
         try:
+            if not wait and ring.in_flight():
+                keep.append(entry)
+                continue
             ring.close()
-        except Exception:  # its device may be gone: nothing left to free
-            pass
+        except Exception:
+            entry[1] += 1
+            if entry[1] < _ORPHAN_TRIES:
+                keep.append(entry)
+    with _orphans_lock:
+        _orphans.extend(keep)
+        return len(_orphans)
 
 
 def _pow2(n: int) -> int:
@@ -111,17 +142,21 @@ class Slot:
         self.dirty = False
 
     def release_temps(self) -> None:
-        """Free the temporaries (teardown only: a free waits for the whole device)."""
-        temps, self.temps = self.temps + self.frees, []
-        self.frees = []
-        for t in temps:
-            t.close()
+        """Free the temporaries (teardown only: a free waits for the whole device).
+
+        Each leaves the slot once freed, so a failed call can be retried.
+        """
+        for bufs in (self.frees, self.temps):
+            while bufs:
+                bufs[-1].close()
+                bufs.pop()
 
     def close(self) -> None:
-        """Free the slot's memory."""
+        """Free the slot's memory (retry-safe: a failed call can be repeated)."""
         self.release_temps()
-        self.mv.release()
-        self.array = self.mv = None
+        if self.mv is not None:
+            self.mv.release()
+            self.array = self.mv = None
         self.pinned.close()
         self.staging.close()
 
@@ -263,15 +298,19 @@ class StagingRing:
         """Free the spare slots and temporaries (idle by construction); return the bytes
         freed (a slot counts its pinned buffer and its device staging twin).
 
-        Each free waits for the whole device: call it where a wait is harmless.
+        Each free waits for the whole device: call it where a wait is harmless. A spare
+        leaves the ring once freed, so a failed call can be retried.
         """
-        spares = self._spare_slots + self._spares(self._spare_pinned)
-        spares += self._spares(self._spare_device)
-        self._spare_slots, self._spare_pinned, self._spare_device = [], {}, {}
         freed = 0
-        for spare in spares:
-            freed += 2 * spare.size if isinstance(spare, Slot) else spare.nbytes
-            spare.close()
+        lists = [self._spare_slots]
+        lists += list(self._spare_pinned.values()) + list(self._spare_device.values())
+        for spares in lists:
+            while spares:
+                spare = spares[-1]
+                spare.close()
+                spares.pop()
+                freed += 2 * spare.size if isinstance(spare, Slot) else spare.nbytes
+        self._spare_pinned, self._spare_device = {}, {}
         return freed
 
     def pinned_bytes(self) -> int:
@@ -283,17 +322,31 @@ class StagingRing:
         kept = self._spare_slots + self._spares(self._spare_pinned)
         return sum(s.size if isinstance(s, Slot) else s.nbytes for s in kept)
 
+    def in_flight(self) -> bool:
+        """Whether a slot's work may still be running (an event not yet complete).
+
+        Never waits and never runs work.
+        """
+        return any(
+            slot is not None and slot.recorded and not self.backend.event_query(slot.event)
+            for slot in self._slots
+        )
+
     def close(self) -> None:
-        """Wait for in-flight slots and free all memory."""
+        """Wait for in-flight slots and free all memory.
+
+        Retry-safe: after a failure (a wait or a free that raised) the memory not yet
+        freed stays with the ring and a second call frees it.
+        """
         for slot in self._slots:
             if slot is not None and slot.recorded:
                 self.backend.event_synchronize(slot.event)
+        self.current = None
         for i, slot in enumerate(self._slots):
             if slot is not None:
                 slot.close()
                 self._slots[i] = None
         self.trim()
-        for ev in self._events:
-            self.backend.event_destroy(ev)
-        self._events = []
-        self.current = None
+        while self._events:
+            self.backend.event_destroy(self._events[-1])
+            self._events.pop()

@@ -339,3 +339,57 @@ def test_trim_frees_what_the_ring_kept_and_the_copier_goes_on(sim_env):
     c.close()
     with pytest.raises(cc.CopyError, match="closed"):
         c.trim()
+
+
+def test_an_orphan_behind_a_held_stream_is_kept_and_freed_later(sim_env):
+    """A copier collected without close(), then a new copier made inside a hold of the
+    stream its last step is queued on: freeing the orphan then would wait on held work
+    (SimDeadlock here, a host wait on CUDA). It used to be tried, fail silently and be
+    dropped, its memory never freed; it is now kept and freed once its work has run."""
+    from cucopy import ring as ring_mod
+
+    dev = sim_env.dev
+    a = dev.empty((16,), np.int32)
+    before = live(dev)
+    c = sim_env.copier(PLAN, slots=2, capacity=4096)
+    stream = dev.default_stream
+    with stream.hold():
+        with c.step():
+            c.copy(Site.POS, a, np.full(16, 4, np.int32))
+        ring, ref = c._ring, weakref.ref(c)
+        del c
+        gc.collect()
+        assert ref() is None
+        held = live(dev)
+        c2 = sim_env.copier(PLAN)  # inside the hold: the orphan's work cannot have run
+        assert any(e[0] is ring for e in ring_mod._orphans)
+        assert live(dev) == held  # nothing freed (c2's slots come at its first begin())
+    assert sim_env.to_host(a).tolist() == [4] * 16
+    c3 = sim_env.copier(PLAN)  # the orphan's work has run: freed now
+    assert not any(e[0] is ring for e in ring_mod._orphans)
+    c2.close()
+    c3.close()
+    assert live(dev) == before
+
+
+def test_a_failed_orphan_free_is_retried(sim_env):
+    """The orphan's own work is done but another stream is held with work queued: its
+    frees wait for the whole device, so they fail on the sim and are retried later."""
+    from cucopy import ring as ring_mod
+
+    dev = sim_env.dev
+    before = live(dev)
+    c = sim_env.copier(PLAN, slots=2, capacity=4096)
+    busy_steps(c, dev, n=3)
+    dev.synchronize()
+    ring = c._ring
+    del c
+    gc.collect()
+    other = dev.stream()
+    with other.hold():
+        other.launch(lambda: None)  # held work elsewhere on the device
+        c2 = sim_env.copier(PLAN)
+        assert any(e[0] is ring for e in ring_mod._orphans)
+    c2.close()  # retried: freed
+    assert not any(e[0] is ring for e in ring_mod._orphans)
+    assert live(dev)[0] == before[0]

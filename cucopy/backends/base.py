@@ -38,11 +38,12 @@ class PinnedBuffer:
         self._free = free
 
     def close(self) -> None:
-        """Release the memory; safe to call twice."""
-        free, self._free = self._free, None
+        """Release the memory; safe to call twice, and again after a free that raised."""
+        free = self._free
         if free is not None:
-            self.array = None
             free()
+            self._free = None
+            self.array = None
 
 
 class DeviceBuffer:
@@ -63,10 +64,11 @@ class DeviceBuffer:
         self._free = free
 
     def close(self) -> None:
-        """Release the memory; safe to call twice."""
-        free, self._free = self._free, None
+        """Release the memory; safe to call twice, and again after a free that raised."""
+        free = self._free
         if free is not None:
             free()
+            self._free = None
 
 
 class Backend:
