@@ -414,6 +414,7 @@ typedef struct {
     int fast, wide;
     unsigned long owner; /* the thread whose step is open */
     int64_t top, bottom, cursor, seg, data0, reserve, size;
+    int64_t peak; /* the largest table cut since the copier last read it */
     DescVec descs;
     PyObject *entries; /* list of Entry */
     Ranges writes, reads;
@@ -1256,6 +1257,7 @@ static PyObject *seg_cut(Segment *s, PyObject *arg) {
     (void)cur;
     PyMem_Free(pieces.v);
     if (n > s->reserve) s->reserve = n;
+    if (n > s->peak) s->peak = n;
     s->cursor = end;
     return Py_BuildValue("(LLLn)", (long long)seg, (long long)end, (long long)nblocks, n);
 fail:
@@ -1334,6 +1336,23 @@ static PyObject *seg_get_slot(Segment *s, void *c) { return Py_NewRef(s->slot ? 
 static PyObject *seg_get_seg(Segment *s, void *c) { return PyLong_FromLongLong(s->seg); }
 static PyObject *seg_get_cursor(Segment *s, void *c) { return PyLong_FromLongLong(s->cursor); }
 static PyObject *seg_get_reserve(Segment *s, void *c) { return PyLong_FromLongLong(s->reserve); }
+static int seg_set_reserve(Segment *s, PyObject *v, void *c) {
+    long long n = v ? PyLong_AsLongLong(v) : -1;
+    if (n == -1 && PyErr_Occurred()) return -1;
+    if (n < 1 || s->seg >= 0) {
+        PyErr_SetString(PyExc_ValueError, "reserve: an int >= 1, set while no segment is open");
+        return -1;
+    }
+    s->reserve = n;
+    return 0;
+}
+static PyObject *seg_get_peak(Segment *s, void *c) { return PyLong_FromLongLong(s->peak); }
+static int seg_set_peak(Segment *s, PyObject *v, void *c) {
+    long long n = v ? PyLong_AsLongLong(v) : -1;
+    if (n == -1 && PyErr_Occurred()) return -1;
+    s->peak = n;
+    return 0;
+}
 
 static PyObject *seg_get_fast(Segment *s, void *c) { return PyBool_FromLong(s->fast); }
 static int seg_set_fast(Segment *s, PyObject *v, void *c) {
@@ -1350,7 +1369,10 @@ static PyGetSetDef seg_getset[] = {
     {"slot", (getter)seg_get_slot, NULL, "The slot staged into (None: unbound).", NULL},
     {"seg", (getter)seg_get_seg, NULL, "The open segment's slot offset (-1: none).", NULL},
     {"cursor", (getter)seg_get_cursor, NULL, "Next free data byte of the slot.", NULL},
-    {"reserve", (getter)seg_get_reserve, NULL, "Descriptors reserved per segment.", NULL},
+    {"reserve", (getter)seg_get_reserve, (setter)seg_set_reserve,
+     "Descriptors reserved per segment (set while no segment is open).", NULL},
+    {"peak", (getter)seg_get_peak, (setter)seg_set_peak,
+     "The largest descriptor table cut since it was last set.", NULL},
     {"fast", (getter)seg_get_fast, (setter)seg_set_fast,
      "The fast path may be taken (by the thread that set it).", NULL},
     {NULL},

@@ -23,7 +23,7 @@ from . import pack
 __all__ = ["StagingRing", "Slot"]
 
 # Demand is remembered over this many steps before a slot shrinks back.
-_DEMAND_WINDOW = 64
+DEMAND_WINDOW = 64
 
 
 # Rings of copiers collected without close(): freed at the next copier made or
@@ -179,7 +179,7 @@ class StagingRing:
         self._slots: list[Slot | None] = [None] * slots
         self._events = [backend.event_create() for _ in range(slots)]
         self._index = -1
-        self._demand = collections.deque(maxlen=_DEMAND_WINDOW)
+        self._demand = collections.deque(maxlen=DEMAND_WINDOW)
         self._want = 0
         self.current: Slot | None = None
         # idle memory kept for reuse until close(): replaced slots by size, and the

@@ -190,6 +190,7 @@ class PySegment:
         "seg",
         "data0",
         "reserve",
+        "peak",
         "wide",
         "descs",
         "entries",
@@ -212,7 +213,8 @@ class PySegment:
         self.top = self.bottom = self.cursor = 0
         self.seg = -1
         self.data0 = 0
-        self.reserve = 16
+        self.reserve = 16  # descriptors a new segment reserves room for (settable unopened)
+        self.peak = 0  # the largest table cut since the copier last set it
         self.wide = False  # a destination wider than one block is staged
         self.descs: list = []
         self.entries: list = []
@@ -644,6 +646,7 @@ class PySegment:
                 break
             descs = pieces
         self.reserve = max(self.reserve, n)
+        self.peak = max(self.peak, n)
         self.cursor = end
         return seg, end, nblocks, n
 

@@ -393,3 +393,31 @@ def test_a_failed_orphan_free_is_retried(sim_env):
     c2.close()  # retried: freed
     assert not any(e[0] is ring for e in ring_mod._orphans)
     assert live(dev)[0] == before[0]
+
+
+def test_the_table_reservation_shrinks_back_with_the_slot(sim_env):
+    """4 steps of 2,000 merged copies, 70 empty steps, then steps of 8 tiny copies: the
+    reservation for the descriptor table used to stay at 2,000 descriptors (96,000 B)
+    while the slot shrank back to 64 KiB, so every later copy ran eagerly (slot_full)."""
+    dev = sim_env.dev
+    c = sim_env.copier(PLAN, slots=2, capacity=1 << 16)
+    xs = dev.empty((2000 * 4,), np.int32)
+    for _ in range(4):
+        with c.step():
+            for i in range(2000):
+                c.copy(Site.POS, xs[i * 4 : i * 4 + 1], np.array([i], np.int32))
+    for _ in range(70):
+        with c.step():
+            pass
+    st = c.stats.sites[Site.POS]
+    merged, full = st.merged, st.fallback["slot_full"]
+    for k in range(200):
+        with c.step():
+            for i in range(8):
+                c.copy(Site.POS, xs[i * 4 : i * 4 + 1], np.array([k], np.int32))
+    assert st.fallback["slot_full"] == full
+    assert st.merged - merged == 1600
+    assert c._ring.pinned_bytes() == 2 * (1 << 16)  # the slots did shrink back
+    assert sim_env.to_host(xs)[:32:4].tolist() == [199] * 8
+    assert sim_env.to_host(xs)[32::4].tolist() == list(range(8, 2000))
+    c.close()
