@@ -866,7 +866,14 @@ class DeviceCopier:
         """An eager copy outside a step, snapshotted through the current slot."""
         nbytes = d.nbytes if fill is None else (d.size - fill[0]) * d.dtype.itemsize
         slot = self._slot
-        if slot is None or (s is not None and s.device is None and not self._seg.room(nbytes)):
+        # pinned bytes the copy writes at the call: an H2D snapshot, or the tail of a
+        # fill whose elements the fill kernel does not take
+        snap = s.device is None if s is not None else d.dtype.itemsize not in _FILL_ELEMS
+        # Temporaries go back to the ring only when their slot comes round, which a
+        # copy outside a step never brought about: the slot would collect one per call
+        # (a D2D through a device temporary, a snapshot larger than the slot). Move on
+        # when the slot holds any (the ring waits only for a slot still in flight).
+        if slot is None or slot.temps or (snap and not self._seg.room(nbytes)):
             self._advance()
         self._in_step = True
         self._owner = _get_ident()

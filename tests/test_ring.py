@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import cucopy as cc
+from cucopy.backends.sim import SimBackend
 
 SOAK = os.environ.get("CUCOPY_SOAK", "") not in ("", "0")
 
@@ -420,4 +421,51 @@ def test_the_table_reservation_shrinks_back_with_the_slot(sim_env):
     assert c._ring.pinned_bytes() == 2 * (1 << 16)  # the slots did shrink back
     assert sim_env.to_host(xs)[:32:4].tolist() == [199] * 8
     assert sim_env.to_host(xs)[32::4].tolist() == list(range(8, 2000))
+    c.close()
+
+
+class _Counting(SimBackend):
+    """Counts allocations (each one a cudaMalloc / cudaHostAlloc on a GPU)."""
+
+    def __init__(self, device):
+        super().__init__(device)
+        self.allocs = 0
+
+    def alloc_device(self, nbytes):
+        self.allocs += 1
+        return super().alloc_device(nbytes)
+
+    def alloc_pinned(self, nbytes):
+        self.allocs += 1
+        return super().alloc_pinned(nbytes)
+
+
+@pytest.mark.parametrize("kind", ["d2d_through_a_temporary", "fill_of_16_byte_elements", "h2d"])
+def test_copies_outside_a_step_reuse_their_temporaries(sim_env, kind):
+    """Copies outside a step that need a temporary (a transposed D2D source, a fill of
+    16-byte elements through pinned memory, a snapshot larger than the slot) used to take
+    a new one per call: 400 calls, 403 allocations. Memory now stays bounded."""
+    dev = sim_env.dev
+    be = _Counting(dev)
+    c = cc.DeviceCopier(PLAN, device=dev, backend=be, stream=dev.default_stream, slots=2,
+                        capacity=4096)  # fmt: skip
+    x, y = dev.empty((8, 8), np.int32), dev.asarray(np.arange(64, dtype=np.int32).reshape(8, 8))
+    z = dev.empty((512,), np.complex128)  # 8 KiB: past a 4 KiB slot
+    big = dev.empty((2048,), np.int32)
+    before = be.allocs
+    for i in range(400):
+        if kind == "d2d_through_a_temporary":
+            assert c.copy(Site.GATHER, x, y.T) is True
+        elif kind == "fill_of_16_byte_elements":
+            assert c.fill_tail(Site.TAIL, z, i % 7, 1 + i * 1j) is True
+        else:
+            assert c.copy(Site.PLAIN, big, np.full(2048, i, np.int32)) is True
+    assert be.allocs - before <= 8
+    if kind == "d2d_through_a_temporary":
+        assert sim_env.to_host(x).tolist() == np.arange(64).reshape(8, 8).T.tolist()
+    elif kind == "fill_of_16_byte_elements":
+        got = sim_env.to_host(z)
+        assert (got[399 % 7 :] == 1 + 399j).all()
+    else:
+        assert (sim_env.to_host(big) == 399).all()
     c.close()
