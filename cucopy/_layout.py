@@ -70,8 +70,11 @@ def tail_blocks(f, start: int, itemsize: int) -> list:
     r0, c0 = divmod(start, per_row)
     out = []
     if c0:
-        out.append((ptr + r0 * pitch + c0 * itemsize, 1, width - c0 * itemsize, pitch))
+        # one row: its pitch is its width (a row's pitch means nothing, and a wide
+        # view's pitch may not fit a descriptor's 32-bit field)
+        w = width - c0 * itemsize
+        out.append((ptr + r0 * pitch + c0 * itemsize, 1, w, w))
         r0 += 1
     if r0 < rows:
-        out.append((ptr + r0 * pitch, rows - r0, width, pitch))
+        out.append((ptr + r0 * pitch, rows - r0, width, pitch if rows - r0 > 1 else width))
     return out

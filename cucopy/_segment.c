@@ -32,6 +32,7 @@
 #define BLOCK_BYTES (WINDOWS_PER_BLOCK * 16)
 #define DCACHE_MAX 4096
 #define MAXDIM 16 /* dimensions of a shape the fast path compares */
+#define MAX_FIELD 0xFFFFFFFFLL /* pack.MAX_FIELD: a descriptor's 32-bit fields */
 
 enum { MISS = 0, STAGED = 1, BARRIER = 2, FULL = -1, ORDER = -2 };
 
@@ -827,6 +828,8 @@ static int view_geo(Segment *s, PyObject *dst, PyObject *vspec, Geo *g) {
     }
     if (numel <= 0) goto out;
     if (!form(sh, st, nd, b->itemsize, &g->rows, &g->width, &g->pitch)) goto out;
+    if (g->rows > MAX_FIELD || g->width > MAX_FIELD || g->pitch > MAX_FIELD)
+        goto out; /* too wide for a descriptor's 32-bit fields: the general path's */
     g->ptr = g->lo = ptr;
     g->hi = ptr + (addr_t)((g->rows - 1) * g->pitch + g->width);
     g->nbytes = g->rows * g->width;

@@ -530,7 +530,8 @@ class DeviceCopier:
         if direction is _H2D and dst is not d and site in self._merge:
             fp = fingerprint_fn(dst)
             f = _layout.form(d.ptr, d.shape, d.strides, d.dtype.itemsize) if fp else None
-            if f is not None and d.size:  # an empty copy stages nothing: never cached
+            # never cached: an empty copy (it stages nothing), a form too wide to stage
+            if f is not None and d.size and pack.fits(*f[1:]):
                 self._seg.remember(dst, fp, f, d.dtype, d.size, d.shape)
                 self._remember_base(site, dst, fp)
             if type(src) is not np.ndarray and s.host is not None and src is not s:
@@ -571,6 +572,8 @@ class DeviceCopier:
         except (TypeError, ValueError):
             return
         f = _layout.form(b.ptr, b.shape, b.strides, b.dtype.itemsize)
+        if f is not None and not pack.fits(*f[1:]):
+            f = None  # too wide to stage whole: cached only as the base of its views
         self._seg.remember(base, fp, f, b.dtype, b.size, b.shape)
 
     def fill_tail(
@@ -645,7 +648,7 @@ class DeviceCopier:
         f = _layout.form(d.ptr, d.shape, d.strides, d.dtype.itemsize)
         if site not in self._merge:
             return self._eager_h2d(site, d, s, None)
-        if f is None:
+        if f is None or not pack.fits(*f[1:]):
             return self._eager_h2d(site, d, s, "layout")
         ptr, rows, width, pitch = f
         nbytes = rows * width
@@ -736,7 +739,7 @@ class DeviceCopier:
         pair = _pair(d, s)
         if site not in self._merge:
             return self._eager_d2d(site, d, s, None)
-        if pair is None:
+        if pair is None or not (pack.fits(*pair[0][1:]) and pack.fits(*pair[1][1:])):
             return self._eager_d2d(site, d, s, "layout")
         if lo < shi and slo < hi:
             return self._eager_d2d(site, d, s, "overlap")
@@ -804,6 +807,8 @@ class DeviceCopier:
         if f is None or it not in _FILL_ELEMS:
             return self._eager_fill(site, d, start, pattern, "layout")
         parts = _layout.tail_blocks(f, start, it)
+        if not all(pack.fits(*p[1:]) for p in parts):  # wider than a descriptor's fields
+            return self._eager_fill(site, d, start, pattern, "layout")
         lo = min(p[0] for p in parts)
         last = parts[-1]
         hi = last[0] + (last[1] - 1) * last[3] + last[2]

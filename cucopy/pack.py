@@ -95,7 +95,16 @@ THREADS = 256
 WINDOWS_PER_BLOCK = 256
 BLOCK_BYTES = WINDOWS_PER_BLOCK * 16
 
+# A descriptor's pitches, width and rows are 32-bit fields: a copy whose form
+# exceeds this runs eagerly instead (the copier checks before staging).
 MAX_PITCH = (1 << 32) - 1
+MAX_FIELD = MAX_PITCH
+
+
+def fits(rows: int, width: int, pitch: int) -> bool:
+    """Whether a 2-D form's ``rows``, ``width`` and ``pitch`` fit a descriptor's fields."""
+    return rows <= MAX_FIELD and width <= MAX_FIELD and pitch <= MAX_FIELD
+
 
 # Carried segments (scatter.cu, cucopy_scatter_c*): a launch's parameter buffer is
 # CARRY_PREFIX bytes (the segment's address, the count of bytes carried, 4 reserved)

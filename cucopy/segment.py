@@ -26,6 +26,7 @@ from numpy import ndarray as _ndarray
 
 from . import pack
 from ._layout import form as _form
+from .pack import fits as _fits
 
 __all__ = [
     "PySegment",
@@ -364,7 +365,7 @@ class PySegment:
         if size <= 0 or len(strides) != len(shape):
             return None
         f = _form(ptr, shape, strides, dtype.itemsize)
-        if f is None:
+        if f is None or not _fits(*f[1:]):  # a field too wide for a descriptor
             return None
         ptr, rows, width, pitch = f
         kind = _KIND_H2D if rows == 1 else _KIND_H2D_2D

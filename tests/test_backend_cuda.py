@@ -179,6 +179,24 @@ def test_fill(be, stream, elem, rows, width, pitch):
     np.testing.assert_array_equal(current_bytes(be, d, stream), want)
 
 
+def test_fill_wider_than_32_bits(be, stream):
+    """cucopy_fill takes a 32-bit width: a 4 GiB + 64 B fill used to write width mod 2**32
+    bytes (64); every byte must be written."""
+    n = (1 << 32) + 64
+    d = be.alloc_device(n + 16)
+    try:
+        upload(be, d.ptr + n - 4096, np.full(4096 + 16, 0xA5, np.uint8), stream)
+        upload(be, d.ptr, np.full(4096, 0xA5, np.uint8), stream)
+        be.fill(d.ptr, n, n, 1, 0x01020304, 4, stream)
+        for off in (0, (1 << 32) - 4096, n - 4096):
+            got = np.frombuffer(be.read(d.ptr + off, 4096, stream), np.uint8)
+            assert (got.view(np.uint32) == 0x01020304).all(), off
+        tail = np.frombuffer(be.read(d.ptr + n, 16, stream), np.uint8)
+        assert (tail == 0xA5).all()
+    finally:
+        d.close()
+
+
 def test_fill_rejects_bad_element_size(be, stream):
     with pytest.raises(ValueError, match="elem must be 1, 2, 4 or 8"):
         be.fill(0, 0, 12, 1, 0, 3, stream)

@@ -641,3 +641,35 @@ def test_the_fast_path_follows_the_shape_rule_for_fresh_views(env):
         assert c.copy(Site.POS, buf[:8], np.ones((1, 8), np.int32)) is True
         assert c.staged == 2
     assert env.to_host(buf).tolist() == [1] * 8 + [9] * 8
+
+
+def test_copies_wider_than_a_descriptors_fields_run_eagerly_and_lose_nothing(env):
+    """A descriptor's pitches, width and rows are 32-bit. A merged fill at 2**32 of a
+    4 GiB + 64 B buffer (its row pitch was the whole buffer) and views with a row pitch
+    of 4 GiB or more used to make the flush raise struct.error and drop an unrelated
+    staged copy (its on_drop ran, its bytes never landed)."""
+    c = env.copier(PLAN)
+    n = (1 << 32) + 64
+    big = env.empty((n,), np.int8)
+    wide = env.empty((2, n), np.int8)  # rows 4 GiB + 64 B apart
+    a, b = env.empty((4,)), env.empty((2, 8), np.int8)
+    dropped = []
+    with c.step():
+        c.copy(Site.POS, a, np.arange(4, dtype=np.int32), on_drop=lambda: dropped.append(1))
+        assert c.fill_tail(Site.TAIL, big, 1 << 32, 5) is True  # merged: its row is 64 B
+        assert c.copy(Site.LENS, wide[:, :8], np.full((2, 8), 3, np.int8)) is True
+        assert c.copy(Site.GATHER, b, wide[:, :8]) is True
+        assert c.fill_tail(Site.TAIL, wide[:, 8:16], 0, 7) is True
+        assert c.copy(Site.POS, wide[1, 24:32], np.full(8, 1, np.int8)) is True  # merged
+        for _ in range(2):  # a view made afresh of a known base: not on the fast path
+            assert c.copy(Site.POS, wide[:, 16:24], np.full((2, 8), 9, np.int8)) is True
+    assert dropped == []
+    assert env.to_host(a).tolist() == [0, 1, 2, 3]
+    assert (env.to_host(big[-72:]) == [0] * 8 + [5] * 64).all()
+    for r in range(2):
+        row = env.to_host(wide[r, :32])
+        assert row.tolist() == [3] * 8 + [7] * 8 + [9] * 8 + [r] * 8
+    st = c.stats.sites
+    assert st[Site.TAIL].merged == 1 and st[Site.TAIL].fallback["layout"] == 1
+    assert st[Site.LENS].fallback["layout"] == 1 and st[Site.GATHER].fallback["layout"] == 1
+    assert st[Site.POS].fallback["layout"] == 2 and st[Site.POS].merged == 2

@@ -86,6 +86,26 @@ _CROSSOVER_PATH = Path(__file__).with_name("crossover.json")
 # The fill kernel's grid: one block per 4 KiB of a row, at most 1024 blocks.
 _FILL_BYTES_PER_BLOCK = 4096
 _FILL_MAX_BLOCKS = 1024
+# cucopy_fill takes width and rows as unsigned int; wider fills are cut into pieces
+# of at most this many bytes (a multiple of every element size) or rows.
+_FILL_MAX_FIELD = (1 << 32) - 1
+_FILL_PIECE = (1 << 32) - 4096
+# cuLaunchKernel's gridDim.x is at most 2**31 - 1
+_MAX_GRID = (1 << 31) - 1
+
+
+def _fill_pieces(width: int, rows: int) -> list:
+    """``(row, rows, byte offset, width)`` pieces of a fill whose every field fits 32 bits."""
+    if width <= _FILL_MAX_FIELD:
+        return [
+            (r, min(_FILL_MAX_FIELD, rows - r), 0, width) for r in range(0, rows, _FILL_MAX_FIELD)
+        ]
+    return [
+        (r, 1, c, min(_FILL_PIECE, width - c))
+        for r in range(rows)
+        for c in range(0, width, _FILL_PIECE)
+    ]
+
 
 _HOLD_TIMEOUT_S = 10.0
 _HOLD_SLOT_INTS = 4  # [release, timed_out, started, pad] per hold
@@ -712,6 +732,9 @@ class CudaBackend(Backend):
     ) -> None:
         """Enqueue ``cucopy_fill``: the ``elem``-byte pattern ``value`` over a 2-D region.
 
+        A region wider or taller than the kernel's 32-bit ``width`` and ``rows`` is
+        filled by several launches.
+
         Raises
         ------
         ValueError
@@ -722,6 +745,12 @@ class CudaBackend(Backend):
                 f"fill: elem must be 1, 2, 4 or 8 and divide width, got elem={elem}, width={width}"
             )
         if width <= 0 or rows <= 0:
+            return
+        if width > _FILL_MAX_FIELD or rows > _FILL_MAX_FIELD:
+            # the kernel's width and rows are 32-bit: a wider fill is several launches
+            # (a ctypes field would silently keep width mod 2**32)
+            for r0, nr, c0, w in _fill_pieces(width, rows):
+                self.fill(dst + r0 * dpitch + c0, dpitch, w, nr, value, elem, stream)
             return
         if _getDevice() != self.device:
             return self._on_device(self.fill, dst, dpitch, width, rows, value, elem, stream)
@@ -768,10 +797,13 @@ class CudaBackend(Backend):
         Raises
         ------
         ValueError
-            If ``carry`` exceeds every capacity on offer (:meth:`carry_capacities`).
+            If ``carry`` exceeds every capacity on offer (:meth:`carry_capacities`),
+            or ``nblocks`` the grid's limit (2**31 - 1).
         """
         if nblocks <= 0:
             return
+        if nblocks > _MAX_GRID:
+            raise ValueError(f"scatter: {nblocks} blocks exceed the grid's {_MAX_GRID}")
         if _getDevice() != self.device:
             return self._on_device(
                 self.scatter, segment_ptr, nblocks, stream, mapped, carry, host_ptr

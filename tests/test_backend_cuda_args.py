@@ -1,0 +1,82 @@
+"""The CUDA backend's launch arguments, checked without a GPU.
+
+Each launch of ``cucopy_fill`` passes ``width`` and ``rows`` in 32-bit fields: a wider
+fill must become several launches that cover exactly its bytes (a ctypes field keeps
+``width mod 2**32`` silently). ``_launch`` is replaced by a recorder; the GPU run of the
+same fill is ``test_backend_cuda.py::test_fill_wider_than_32_bits``.
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+from cucopy.backends import cuda as cuda_backend
+from cucopy.backends.cuda import CudaBackend
+
+U32 = (1 << 32) - 1
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """A CudaBackend on device 0 whose launches are recorded, not run."""
+    be = object.__new__(CudaBackend)
+    be.device = 0
+    be._kern = types.SimpleNamespace(fill=0x1234)
+    be._scratch = types.SimpleNamespace(fill=cuda_backend._Params(cuda_backend._FillArgs))
+    out = []
+
+    def launch(fn, gx, gy, gz, bx, by, bz, shmem, stream, params, extra):
+        a = be._scratch.fill.args
+        out.append((a.dst, a.dpitch, a.width, a.rows, a.value, a.elem, gx))
+
+    monkeypatch.setattr(cuda_backend, "_launch", launch)
+    monkeypatch.setattr(cuda_backend, "_getDevice", lambda: 0)
+    return be, out
+
+
+def covered(calls, base, dpitch, width, rows):
+    """The byte ranges the recorded launches write, merged; and the expected ones."""
+    got = []
+    for dst, pitch, w, r, *_ in calls:
+        assert 0 < w <= U32 and 0 < r <= U32
+        got += [(dst + i * pitch, dst + i * pitch + w) for i in range(min(r, 4))]
+        if r > 4:  # rows in between follow the same pitch; the last one closes the run
+            got.append((dst + (r - 1) * pitch, dst + (r - 1) * pitch + w))
+    got.sort()
+    merged = []
+    for a, b in got:
+        if merged and a <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+        else:
+            merged.append((a, b))
+    want = sorted((base + i * dpitch, base + i * dpitch + width) for i in range(rows))
+    return merged, want
+
+
+@pytest.mark.parametrize(
+    "width, rows, dpitch",
+    [(64, 3, 128), (U32 + 1 - 8, 1, 0), ((1 << 32) + 64, 1, 0), ((1 << 33) + 8, 2, 1 << 34)],
+)
+@pytest.mark.parametrize("elem", [1, 4, 8])
+def test_a_fill_wider_than_32_bits_is_cut_into_launches(launches, width, rows, dpitch, elem):
+    be, calls = launches
+    base = 1 << 40
+    be.fill(base, dpitch, width, rows, 7, elem, 0)
+    merged, want = covered(calls, base, dpitch, width, rows)
+    if dpitch and dpitch > width:
+        assert merged == want
+    else:
+        assert merged == [(base, base + width)]
+    for dst, _, w, _, value, e, grid in calls:
+        assert (dst - base) % elem == 0 and w % elem == 0  # each piece starts in phase
+        assert value == 7 and e == elem and 1 <= grid <= 1024
+    if width <= U32:
+        assert len(calls) == 1
+
+
+def test_fill_pieces_cut_rows_past_32_bits():
+    pieces = cuda_backend._fill_pieces(16, (1 << 32) + 5)
+    assert [(r, n) for r, n, _, _ in pieces] == [(0, U32), (U32, 6)]
+    assert all(c == 0 and w == 16 for _, _, c, w in pieces)
