@@ -515,6 +515,7 @@ class DeviceCopier:
             r = self._try_h2d(site, dst, src, on_drop)
             if r:
                 if r == BARRIER:
+                    self._refuse_capture_change(site)
                     self._flush_segment()
                 return True
         elif self._seg.try_skip(site, dst, src):
@@ -622,11 +623,10 @@ class DeviceCopier:
     # -- skip --------------------------------------------------------------------------------
 
     def _skip(self, site, d, s, fill) -> bool:
-        if (
-            self._in_step
-            and self._capturing
-            or (not self._in_step and self._backend.is_capturing(self._stream))
-        ):
+        capturing = self._backend.is_capturing(self._stream)
+        if self._in_step and capturing != self._capturing:
+            self._refuse_capture_change(site)
+        if capturing:
             raise ValueError(
                 f"{site.label}: unchanged=True is refused during graph capture "
                 "(a replay cannot know the values are unchanged)"
@@ -679,10 +679,40 @@ class DeviceCopier:
         if self._checker is not None:
             self._checker.on_stage(e, d, s)
         if site in self._barriers:
+            self._refuse_capture_change(site)
             self._flush_segment()
         return True
 
+    def _refuse_capture_change(self, site) -> None:
+        """Raise when the stream's capture state is no longer the one ``begin()`` saw.
+
+        A step follows the capture state it began in: begun outside a capture, it
+        stages into the ring slot, and work captured from the slot would replay bytes
+        later steps wrote there; begun inside one, it issues plain copies of the
+        caller's buffers, which, once the capture has ended, run late and read them
+        refilled. Checked where a step issues work or skips (eager copies, barriers,
+        the general path's skips); merged copies stay staged and the flush refuses them.
+        """
+        if not self._in_step:
+            return
+        capturing = self._backend.is_capturing(self._stream)
+        if capturing == self._capturing:
+            return
+        if capturing:
+            raise CopyError(
+                f"{_label(site)}: a graph capture began on the copier's stream after "
+                "begin(): this step's copies would be captured reading the ring slot, "
+                "which later steps overwrite. End the step (flush) before the capture "
+                "begins, or begin the step inside it; copies staged so far stay staged"
+            )
+        raise CopyError(
+            f"{_label(site)}: the graph capture this step began in has ended: its copies "
+            "would run as plain copies reading the caller's buffers late. End the step "
+            "before the capture ends, and begin() the next one after it"
+        )
+
     def _capture_h2d(self, site, d, s) -> bool:
+        self._refuse_capture_change(site)
         pinned = s.pinned if s.pinned is not None else self._backend.is_pinned(s.ptr)
         if not pinned:
             raise ValueError(
@@ -701,6 +731,7 @@ class DeviceCopier:
         return self._count_eager(site, "capture" if site in self._merge else None)
 
     def _eager_h2d(self, site, d, s, reason) -> bool:
+        self._refuse_capture_change(site)
         lo, hi = _layout.extent(d.ptr, d.shape, d.strides, d.dtype.itemsize)
         if self._seg.overlaps(lo, hi):
             self._order_flush()
@@ -755,6 +786,7 @@ class DeviceCopier:
         return self._landed_by_barrier(site, e, d, s)
 
     def _capture_d2d(self, site, d, s) -> bool:
+        self._refuse_capture_change(site)
         pair = _pair(d, s)
         if pair is None:
             raise ValueError(
@@ -766,6 +798,7 @@ class DeviceCopier:
         return self._count_eager(site, "capture" if site in self._merge else None)
 
     def _eager_d2d(self, site, d, s, reason) -> bool:
+        self._refuse_capture_change(site)
         it = d.dtype.itemsize
         lo, hi = _layout.extent(d.ptr, d.shape, d.strides, it)
         slo, shi = _layout.extent(s.ptr, s.shape, s.strides, it)
@@ -822,6 +855,7 @@ class DeviceCopier:
         return self._landed_by_barrier(site, e, d, None)
 
     def _capture_fill(self, site, d, start, pattern) -> bool:
+        self._refuse_capture_change(site)
         it = d.dtype.itemsize
         if it not in _FILL_ELEMS:
             raise ValueError(
@@ -844,6 +878,7 @@ class DeviceCopier:
             self._backend.fill(ptr, pitch, width, rows, value, it, self._stream)
 
     def _eager_fill(self, site, d, start, pattern, reason) -> bool:
+        self._refuse_capture_change(site)
         it = d.dtype.itemsize
         lo, hi = _layout.extent(d.ptr, d.shape, d.strides, it)
         if self._seg.overlaps(lo, hi):
@@ -881,6 +916,7 @@ class DeviceCopier:
         if slot is None or slot.temps or (snap and not self._seg.room(nbytes)):
             self._advance()
         self._in_step = True
+        self._capturing = False  # the caller saw the stream not capturing
         self._owner = _get_ident()
         try:
             if fill is not None:
@@ -918,6 +954,8 @@ class DeviceCopier:
         raise AssertionError("internal: a fresh segment refused a descriptor")
 
     def _order_flush(self) -> None:
+        if self._seg.staged:
+            self._refuse_capture_change(self._seg.entries[0].site)
         self.stats.eager_flushes += 1
         self._flush_segment()
 

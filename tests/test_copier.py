@@ -673,3 +673,71 @@ def test_copies_wider_than_a_descriptors_fields_run_eagerly_and_lose_nothing(env
     assert st[Site.TAIL].merged == 1 and st[Site.TAIL].fallback["layout"] == 1
     assert st[Site.LENS].fallback["layout"] == 1 and st[Site.GATHER].fallback["layout"] == 1
     assert st[Site.POS].fallback["layout"] == 2 and st[Site.POS].merged == 2
+
+
+def test_a_capture_that_begins_inside_a_step_is_refused(env):
+    """A step begun, then a capture begun on its stream: an unmerged H2D copy used to be
+    captured reading the ring slot, so a replay after later steps landed their bytes.
+    Every copy that would issue work is refused; staged copies stay staged and land at
+    the first flush after the capture."""
+    stream = env.stream()
+    c = env.copier(PLAN, stream=stream)
+    a, b, t, g = env.empty((4,)), env.empty((4,)), env.empty((4,)), env.empty((4,))
+    dsrc = env.asarray(np.arange(8, 12, dtype=np.int32))
+    src = env.pinned((4,))
+    src[:] = 5
+    c.begin()
+    c.copy(Site.POS, a, np.full(4, 1, np.int32))  # staged before the capture
+    began = r"a graph capture began on the copier's stream after begin\(\)"
+    with env.capture(stream):
+        for call in (
+            lambda: c.copy(Site.PLAIN, b, src),  # eager H2D
+            lambda: c.copy(Site.TABLE, b, src),  # a barrier
+            lambda: c.copy(Site.GATHER2, g, dsrc),  # eager D2D
+            lambda: c.fill_tail(Site.TAIL2, t, 0, 2),  # eager fill
+            lambda: c.copy(Site.LENS, t, src, unchanged=True),  # (a cached dst: not seen)
+        ):
+            with pytest.raises(cc.CopyError, match=began):
+                call()
+        with pytest.raises(cc.CopyError, match="capture began on the copier's stream while"):
+            c.flush()
+        assert c.staged == 2  # POS, and TABLE (staged before its barrier was refused)
+    c.flush()
+    assert env.to_host(a).tolist() == [1] * 4 and env.to_host(b).tolist() == [5] * 4
+    assert not env.to_host(g).any() and not env.to_host(t).any()
+    with c.step():  # the copier goes on
+        c.copy(Site.PLAIN, b, np.full(4, 7, np.int32))
+    assert env.to_host(b).tolist() == [7] * 4
+
+
+def test_a_capture_that_ends_inside_a_step_is_refused(env):
+    """A step begun inside a capture and continued after it: a pinned source used to be
+    copied plainly (not snapshotted, so the refilled value landed) and a pageable one
+    refused as "during graph capture ... must be pinned" with nothing capturing."""
+    stream = env.stream()
+    c = env.copier(PLAN, stream=stream)
+    a, t = env.empty((4,)), env.empty((4,))
+    src = env.pinned((4,))
+    src[:] = 3
+    with env.capture(stream) as graph:
+        c.begin()
+        c.copy(Site.POS, a, src)  # captured
+    ended = r"the graph capture this step began in has ended"
+    for call in (
+        lambda: c.copy(Site.POS, a, src),
+        lambda: c.copy(Site.PLAIN, a, np.zeros(4, np.int32)),  # pageable
+        lambda: c.copy(Site.GATHER, t, a),
+        lambda: c.fill_tail(Site.TAIL, t, 0, 1),
+        lambda: c.copy(Site.LENS, a, src, unchanged=True),
+    ):
+        with pytest.raises(cc.CopyError, match=ended):
+            call()
+    c.flush()  # nothing staged: the step ends
+    src[:] = 4
+    with c.step():
+        c.copy(Site.POS, t, src)
+        src[:] = -1  # snapshotted again: the call's bytes land
+    assert env.to_host(t).tolist() == [4] * 4
+    src[:] = 6
+    graph.replay(stream)
+    assert env.to_host(a).tolist() == [6] * 4
