@@ -1135,6 +1135,10 @@ def _flat_tail_blocks(d, start) -> list:
 
 # -- module-level routing ----------------------------------------------------------------
 
+# Plan-less copiers for copies made with no active copier, by (device, stream): each
+# call takes an idle one (or makes one) for its duration, so threads that activated
+# nothing (a pool's threads never inherit the active copier) never share one: a
+# copier's step state is set per call, and its ring slot is written at the call.
 _plain: dict = {}
 _plain_lock = threading.Lock()
 
@@ -1144,8 +1148,8 @@ def active_copier() -> DeviceCopier | None:
     return _active.get()
 
 
-def _plain_copier(dst, site=None) -> DeviceCopier:
-    """A plan-less copier for ``dst``'s device and its library's current stream."""
+def _plain_key(dst, site):
+    """``(key, device, stream)`` of the plain copiers for ``dst``'s device and stream."""
     from .adapters import current_stream, stream_handle
 
     try:
@@ -1162,17 +1166,41 @@ def _plain_copier(dst, site=None) -> DeviceCopier:
         skey = stream_handle(stream) if stream is not None else None
     except TypeError:
         skey = id(stream)
-    key = (info.device if isinstance(info.device, int) else id(info.device), skey)
-    with _plain_lock:
-        c = _plain.get(key)
-        if c is None or c.closed:
-            from .backends import sim
+    return (info.device if isinstance(info.device, int) else id(info.device), skey), info, stream
 
-            backend = "sim" if isinstance(info.device, sim.SimDevice) else "cuda"
-            c = DeviceCopier(
-                None, stream=stream, device=info.device, backend=backend, slots=4, capacity=1 << 16
-            )
-            _plain[key] = c
+
+def _lease(dst, site=None):
+    """An idle plain copier for ``dst`` (made when none is idle), taken from the pool:
+    ``(key, copier)``; hand it back with :func:`_give_back`."""
+    key, info, stream = _plain_key(dst, site)
+    with _plain_lock:
+        idle = _plain.setdefault(key, [])
+        while idle:
+            c = idle.pop()
+            if not c.closed:
+                return key, c
+    from .backends import sim
+
+    backend = "sim" if isinstance(info.device, sim.SimDevice) else "cuda"
+    c = DeviceCopier(
+        None, stream=stream, device=info.device, backend=backend, slots=4, capacity=1 << 16
+    )
+    return key, c
+
+
+def _give_back(key, c) -> None:
+    if not c.closed:
+        with _plain_lock:
+            _plain[key].append(c)
+
+
+def _plain_copier(dst, site=None) -> DeviceCopier:
+    """A plan-less copier for ``dst``'s device and its library's current stream.
+
+    For its backend and stream (a copy goes through one taken for the call alone).
+    """
+    key, c = _lease(dst, site)
+    _give_back(key, c)
     return c
 
 
@@ -1180,13 +1208,19 @@ def copy(site: CopySite, dst, src, *, unchanged: bool = False, on_drop=None) -> 
     """Copy through the active copier, or as a plain async copy when none is active.
 
     A plain copy goes on the array library's current stream and is still
-    snapshotted (the caller may overwrite a host source right after).
+    snapshotted (the caller may overwrite a host source right after). Threads (and
+    tasks) with no active copier may make plain copies at the same time: each call
+    has a plan-less copier to itself.
     See :meth:`DeviceCopier.copy` for the parameters.
     """
     c = _active.get()
-    if c is None:
-        c = _plain_copier(dst, site)
-    return c.copy(site, dst, src, unchanged=unchanged, on_drop=on_drop)
+    if c is not None:
+        return c.copy(site, dst, src, unchanged=unchanged, on_drop=on_drop)
+    key, c = _lease(dst, site)
+    try:
+        return c.copy(site, dst, src, unchanged=unchanged, on_drop=on_drop)
+    finally:
+        _give_back(key, c)
 
 
 def fill_tail(
@@ -1197,9 +1231,13 @@ def fill_tail(
     See :meth:`DeviceCopier.fill_tail` for the parameters.
     """
     c = _active.get()
-    if c is None:
-        c = _plain_copier(dst, site)
-    return c.fill_tail(site, dst, start, value, unchanged=unchanged, on_drop=on_drop)
+    if c is not None:
+        return c.fill_tail(site, dst, start, value, unchanged=unchanged, on_drop=on_drop)
+    key, c = _lease(dst, site)
+    try:
+        return c.fill_tail(site, dst, start, value, unchanged=unchanged, on_drop=on_drop)
+    finally:
+        _give_back(key, c)
 
 
 def flush() -> None:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 import threading
 
 import numpy as np
 import pytest
 
 import cucopy as cc
+import cucopy.copier as copier_module
 from cucopy.backends.sim import SimBackend, SimDevice
 
 
@@ -353,3 +355,51 @@ def test_one_copier_from_two_threads_outside_steps_is_refused():
         assert dev.to_host(b).tolist() == [2] * 8
     assert dev.to_host(a).tolist() == [1] * 8
     c.close()
+
+
+# -- plain copies from threads that activated nothing ------------------------------------------------
+
+
+@pytest.fixture
+def busy_switching():
+    """Threads switch every microsecond, so calls interleave inside one another."""
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    yield
+    sys.setswitchinterval(before)
+
+
+@pytest.mark.parametrize("policy", ["lazy", "eager", "random"])
+def test_threads_without_an_active_copier_get_independent_plain_copies(policy, busy_switching):
+    """Threads of a pool never inherit the active copier: their cc.copy calls are plain
+    copies. They used to share one plan-less copier whose step state is set per call,
+    so threads got "this copier's step belongs to another thread" and some copies
+    landed another call's bytes."""
+    dev = SimDevice(policy=policy, seed=3)
+    nthreads, n = 4, 120
+    outs = [dev.empty((n, 16), np.int32) for _ in range(nthreads)]
+    tails = [dev.empty((n, 4), np.complex128) for _ in range(nthreads)]  # via pinned memory
+    gathered = [dev.empty((n, 16), np.int32) for _ in range(nthreads)]
+    barrier = threading.Barrier(nthreads)
+
+    def worker(i):
+        assert cc.active_copier() is None
+        src = np.empty(16, np.int32)
+        barrier.wait()
+        for k in range(n):
+            src[:] = i * 1000 + k
+            assert cc.copy(Site.POS, outs[i][k], src) is True
+            src[:] = -1  # snapshot: reused at once
+            assert cc.fill_tail(Site.TAIL, tails[i][k], 1, complex(i, k)) is True
+            assert cc.copy(Site.GATHER, gathered[i][k], outs[i][k]) is True
+
+    _run_threads([worker] * nthreads)
+    for i in range(nthreads):
+        want = i * 1000 + np.arange(n, dtype=np.int32)[:, None].repeat(16, axis=1)
+        assert (dev.to_host(outs[i]) == want).all()
+        assert (dev.to_host(gathered[i]) == want).all()
+        t = dev.to_host(tails[i])
+        assert (t[:, 0] == 0).all() and (t[:, 1:] == (i + 1j * np.arange(n))[:, None]).all()
+    # one plain copier per call in flight at once, kept for the next calls
+    pools = [p for k, p in copier_module._plain.items() if k[0] == id(dev)]
+    assert len(pools) == 1 and 1 <= len(pools[0]) <= nthreads

@@ -29,8 +29,12 @@ from __future__ import annotations
 import bisect
 import contextlib
 import ctypes
+import functools
 import itertools
+import threading
 from collections import deque
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
 
 import numpy as np
 
@@ -58,6 +62,22 @@ POLICIES = ("lazy", "eager", "random")
 _SPACE = 1 << 56
 _MAPPED = 1 << 52
 _device_ids = itertools.count()
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _serialized(method: _F) -> _F:
+    """Run ``method`` under its device's lock: a GPU's streams and allocator are safe to
+    use from several host threads, and run each stream's work in order; the sim's
+    Python lists and queues are not, so one thread at a time touches a device."""
+
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        with (self if isinstance(self, SimDevice) else self.device)._lock:
+            return method(self, *args, **kwargs)
+
+    return cast(_F, run)
 
 
 class SimDeadlock(CopyError):
@@ -206,6 +226,7 @@ class SimStream:
 
     # -- work ---------------------------------------------------------------
 
+    @_serialized
     def _enqueue(self, fn) -> None:
         self.ops += 1
         if self._graph is not None:
@@ -218,12 +239,14 @@ class SimStream:
         elif dev.policy == "random":
             self._run(int(dev.rng.integers(0, len(self._queue) + 1)))
 
+    @_serialized
     def _run(self, n) -> None:
         q = self._queue
         while n > 0 and q and not self._holds:
             q.popleft()()
             n -= 1
 
+    @_serialized
     def _run_until(self, done) -> None:
         while not done():
             if not self._queue:
@@ -239,6 +262,7 @@ class SimStream:
         """Enqueue foreign work: ``fn()`` runs in stream order (a stand-in for a kernel)."""
         self._enqueue(fn)
 
+    @_serialized
     def _record(self, event) -> None:
         if self._graph is not None:
             raise CopyError("sim: recording an event during capture is not modelled")
@@ -262,6 +286,7 @@ class SimStream:
 
         self._enqueue(wait)
 
+    @_serialized
     def synchronize(self) -> None:
         """Run everything queued (raises :class:`SimDeadlock` while held)."""
         if self._queue and self._holds:
@@ -333,6 +358,7 @@ class SimDevice:
         if policy not in POLICIES:
             raise ValueError(f"SimDevice: policy must be one of {POLICIES}, got {policy!r}")
         self.policy = policy
+        self._lock = threading.RLock()  # see _serialized
         self.rng = np.random.default_rng(seed)
         self.index = next(_device_ids)
         self._space = _SPACE * (1 + self.index % 200)
@@ -348,6 +374,7 @@ class SimDevice:
 
     # -- memory ---------------------------------------------------------------
 
+    @_serialized
     def _alloc(self, nbytes: int):
         mem = np.zeros(max(nbytes, 1), np.uint8)
         base = self._next
@@ -356,6 +383,7 @@ class SimDevice:
         self._allocs.append(mem)
         return base, mem
 
+    @_serialized
     def _free(self, base: int) -> None:
         i = bisect.bisect_left(self._bases, base)
         if i < len(self._bases) and self._bases[i] == base:
@@ -398,12 +426,14 @@ class SimDevice:
         self._register_pinned(buf)
         return buf[:n].view(dtype).reshape(shape)
 
+    @_serialized
     def _register_pinned(self, buf: np.ndarray) -> None:
         ptr = buf.ctypes.data
         i = bisect.bisect_left(self._pinned_ptrs, ptr)
         self._pinned_ptrs.insert(i, ptr)
         self._pinned.insert(i, buf)
 
+    @_serialized
     def _unregister_pinned(self, buf: np.ndarray) -> None:
         ptr = buf.ctypes.data
         i = bisect.bisect_left(self._pinned_ptrs, ptr)
@@ -411,6 +441,7 @@ class SimDevice:
             del self._pinned_ptrs[i]
             del self._pinned[i]
 
+    @_serialized
     def _pinned_at(self, ptr: int, nbytes: int):
         i = bisect.bisect_right(self._pinned_ptrs, ptr) - 1
         if i >= 0:
@@ -423,6 +454,7 @@ class SimDevice:
         """Whether ``ptr`` lies in pinned memory of this device."""
         return self._pinned_at(ptr, 1) is not None
 
+    @_serialized
     def _mem(self, addr: int, nbytes: int) -> np.ndarray:
         """The device bytes ``[addr, addr + nbytes)`` as a writable view."""
         if self._space + _MAPPED <= addr < self._space + 2 * _MAPPED:
@@ -448,6 +480,7 @@ class SimDevice:
 
     # -- streams ----------------------------------------------------------------
 
+    @_serialized
     def stream(self, name: str = "") -> SimStream:
         """A new stream."""
         s = SimStream(self, name or f"s{len(self._streams)}")
@@ -458,6 +491,7 @@ class SimDevice:
         """A new event."""
         return SimEvent(self)
 
+    @_serialized
     def synchronize(self) -> None:
         """Run every stream's queued work."""
         busy = True
