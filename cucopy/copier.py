@@ -242,7 +242,11 @@ class DeviceCopier:
             self._seg.forget()
             check.unregister(self)
             if self._finalizer.detach() is not None:
-                self._ring.close()
+                try:
+                    self._ring.close()
+                except BaseException:
+                    orphan(self._ring)  # what was not freed is retried with the orphans
+                    raise
             free_orphans(wait=True)
 
     def __enter__(self) -> DeviceCopier:

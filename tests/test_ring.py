@@ -469,3 +469,21 @@ def test_copies_outside_a_step_reuse_their_temporaries(sim_env, kind):
     else:
         assert (sim_env.to_host(big) == 399).all()
     c.close()
+
+
+def test_a_close_that_fails_leaves_its_ring_to_be_freed_later(sim_env):
+    """close() inside a hold of its stream cannot wait for its slots (SimDeadlock here);
+    the ring used to be dropped half-freed. It is kept and freed with the orphans."""
+    dev = sim_env.dev
+    a = dev.empty((16,), np.int32)
+    before = live(dev)
+    c = sim_env.copier(PLAN, slots=2, capacity=4096)
+    with dev.default_stream.hold():
+        with c.step():
+            c.copy(Site.POS, a, np.full(16, 4, np.int32))
+        with pytest.raises(cc.CopyError, match="held"):
+            c.close()
+        assert c.closed
+    assert sim_env.to_host(a).tolist() == [4] * 16
+    sim_env.copier(PLAN).close()
+    assert live(dev) == before
