@@ -317,7 +317,7 @@ class DeviceCopier:
         seg = self._seg
         seg.bind(slot)
         # The table reservation follows the largest table of recent steps (the window
-        # the ring sizes slots by), never a quarter of the slot or more: kept at its
+        # the ring sizes slots by), never three quarters of the slot: kept at its
         # all-time peak, one large step left every later segment's data past the
         # top of a slot that had shrunk back, and every copy ran eagerly.
         tables = self._tables
@@ -554,7 +554,7 @@ class DeviceCopier:
         if d.shape != s.shape and len(s.shape) != 1 and not _fits_shape(d.shape, s.shape):
             raise ValueError(
                 f"{site.label}: shape mismatch: dst {d.label}, src {s.label}; src must "
-                "have dst's shape (leading dimensions of size 1 aside) or be 1-D"
+                "have dst's shape (leading dimensions of size 1 aside) or be flat"
             )
         if on_drop is not None and not callable(on_drop):
             raise TypeError(f"{site.label}: on_drop must be callable, got {on_drop!r}")

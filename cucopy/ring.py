@@ -30,7 +30,9 @@ DEMAND_WINDOW = 64
 # closed, never by the garbage collector (a free, and close()'s wait for in-flight
 # slots, wait for the device, at whatever moment a collection happens to run).
 _orphans: list = []
-_orphans_lock = threading.Lock()
+# reentrant: orphan() runs from a finalizer, which a collection may start while this
+# thread is inside free_orphans()
+_orphans_lock = threading.RLock()
 # A ring whose free keeps failing (its device gone) is dropped after this many tries.
 _ORPHAN_TRIES = 8
 
