@@ -80,3 +80,24 @@ def test_fill_pieces_cut_rows_past_32_bits():
     pieces = cuda_backend._fill_pieces(16, (1 << 32) + 5)
     assert [(r, n) for r, n, _, _ in pieces] == [(0, U32), (U32, 6)]
     assert all(c == 0 and w == 16 for _, _, c, w in pieces)
+
+
+def test_a_2d_copy_with_pitches_past_the_devices_maximum_is_cut_into_rows(monkeypatch):
+    # cudaMemcpy2DAsync refuses (or mishandles) pitches over cudaDevAttrMaxPitch
+    be = object.__new__(CudaBackend)
+    be.device = 0
+    calls = []
+    rt = types.SimpleNamespace(
+        memcpyAsync=lambda *a: calls.append(("1d",) + a),
+        memcpy2DAsync=lambda *a: calls.append(("2d",) + a),
+    )
+    monkeypatch.setattr(cuda_backend, "_rt", rt)
+    monkeypatch.setattr(cuda_backend, "_getDevice", lambda: 0)
+    monkeypatch.setattr(cuda_backend, "_H2D", 1)
+    monkeypatch.setattr(cuda_backend, "_D2D", 3)
+    far = (1 << 32) + 64
+    be.copy2d(True, 1 << 40, far, 4096, 8, 8, 3, 7)
+    assert calls == [("1d", (1 << 40) + r * far, 4096 + r * 8, 8, 1, 7) for r in range(3)]
+    calls.clear()
+    be.copy2d(False, 1 << 40, 64, 1 << 41, 128, 8, 3, 7)  # small pitches: one 2-D copy
+    assert calls == [("2d", 1 << 40, 64, 1 << 41, 128, 8, 3, 3, 7)]

@@ -94,6 +94,9 @@ _FILL_PIECE = (1 << 32) - 4096
 _MAX_GRID = (1 << 31) - 1
 
 
+_MAX_2D_PITCH = (1 << 31) - 1
+
+
 def _fill_pieces(width: int, rows: int) -> list:
     """``(row, rows, byte offset, width)`` pieces of a fill whose every field fits 32 bits."""
     if width <= _FILL_MAX_FIELD:
@@ -715,6 +718,11 @@ class CudaBackend(Backend):
         try:
             if rows == 1:
                 _rt.memcpyAsync(dst, src, width, kind, stream)
+            elif max(dpitch, spitch) > _MAX_2D_PITCH:
+                # cudaMemcpy2DAsync takes pitches up to the device's maximum pitch
+                # (cudaDevAttrMaxPitch, 2**31 - 1): rows that far apart are few, one copy each
+                for r in range(rows):
+                    _rt.memcpyAsync(dst + r * dpitch, src + r * spitch, width, kind, stream)
             else:
                 _rt.memcpy2DAsync(dst, dpitch, src, spitch, width, rows, kind, stream)
         except _RuntimeError as e:
