@@ -37,6 +37,20 @@
 enum { MISS = 0, STAGED = 1, BARRIER = 2, FULL = -1, ORDER = -2 };
 
 static PyObject *ndarray_type; /* numpy.ndarray */
+
+/* The leading fields of a NumPy array object (PyArrayObject_fields, numpy/ndarraytypes.h,
+ * the same in NumPy 1.x and 2.x: part of its C ABI). Read only for exact ndarrays. */
+typedef struct {
+    PyObject_HEAD
+    char *data;
+    int nd;
+    Py_ssize_t *dimensions;
+    Py_ssize_t *strides;
+    PyObject *base;
+    PyObject *descr;
+    int flags;
+} NpArray;
+#define NPY_C_CONTIGUOUS_FLAG 0x0001
 static PyObject *s_dtype, *s_spec, *s_merged, *s_view;
 
 static inline int64_t align_up(int64_t n, int64_t a) { return (n + a - 1) & -a; }
@@ -289,6 +303,8 @@ typedef struct {
     PyObject *ref;    /* weakref to the array */
     PyObject *fp;     /* fingerprint function (used when spec is NULL) */
     PyObject *spec;   /* tuple of (name, call) pairs, or NULL */
+    PyTypeObject *tp; /* the array's type when the spec was resolved on it */
+    PyObject *descrs; /* the spec's descriptors on tp (read without a lookup), or NULL */
     PyObject *fpval;  /* fp(x), or the tuple of the spec's values */
     PyObject *dtype;
     PyObject *geom;   /* destinations: (ptr, rows, width, pitch) or None; sources: bytes */
@@ -302,6 +318,7 @@ typedef struct {
 
 static void cached_dealloc(Cached *c) {
     Py_XDECREF(c->ref); Py_XDECREF(c->fp); Py_XDECREF(c->spec); Py_XDECREF(c->fpval);
+    Py_XDECREF(c->descrs); Py_XDECREF((PyObject *)c->tp);
     Py_XDECREF(c->dtype); Py_XDECREF(c->geom); Py_XDECREF(c->vdtype);
     Py_TYPE(c)->tp_free((PyObject *)c);
 }
@@ -343,6 +360,39 @@ static int weak_is(PyObject *ref, PyObject *x) {
 #endif
 }
 
+/* The spec's names resolved on type tp once: a tuple of descriptors, each read
+ * straight (a method called with x, an attribute through its getter) instead of
+ * looked up on the instance every call; NULL when a name is not a plain type
+ * attribute. A torch tensor's data_ptr(), shape, stride() and dtype cost about
+ * half as much this way. */
+static PyObject *spec_descrs(PyObject *spec, PyTypeObject *tp) {
+    Py_ssize_t n = PyTuple_GET_SIZE(spec);
+    PyObject *out = PyTuple_New(n);
+    if (!out) { PyErr_Clear(); return NULL; }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = PyTuple_GET_ITEM(spec, i);
+        PyObject *d = _PyType_Lookup(tp, PyTuple_GET_ITEM(item, 0)); /* borrowed */
+        int call = PyTuple_GET_ITEM(item, 1) == Py_True;
+        if (!d || (call ? !PyCallable_Check(d) : !Py_TYPE(d)->tp_descr_get) ||
+            (!call && !Py_TYPE(d)->tp_descr_set)) { /* a data descriptor, or give up */
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(out, i, Py_NewRef(d));
+    }
+    return out;
+}
+
+static inline PyObject *spec_read(Cached *c, Py_ssize_t i, PyObject *x, PyObject *name,
+                                  int call) {
+    if (c->descrs && Py_TYPE(x) == c->tp) {
+        PyObject *d = PyTuple_GET_ITEM(c->descrs, i);
+        if (call) return PyObject_Vectorcall(d, &x, 1, NULL);
+        return Py_TYPE(d)->tp_descr_get(d, x, (PyObject *)c->tp);
+    }
+    return call ? PyObject_CallMethodNoArgs(x, name) : PyObject_GetAttr(x, name);
+}
+
 /* 1 when x's fingerprint still matches, 0 when not (errors cleared: a miss) */
 static int cached_valid(Cached *c, PyObject *x) {
     if (!weak_is(c->ref, x)) return 0;
@@ -350,10 +400,8 @@ static int cached_valid(Cached *c, PyObject *x) {
         Py_ssize_t n = PyTuple_GET_SIZE(c->spec);
         for (Py_ssize_t i = 0; i < n; i++) {
             PyObject *item = PyTuple_GET_ITEM(c->spec, i);
-            PyObject *name = PyTuple_GET_ITEM(item, 0);
-            PyObject *v = PyTuple_GET_ITEM(item, 1) == Py_True
-                              ? PyObject_CallMethodNoArgs(x, name)
-                              : PyObject_GetAttr(x, name);
+            PyObject *v = spec_read(c, i, x, PyTuple_GET_ITEM(item, 0),
+                                    PyTuple_GET_ITEM(item, 1) == Py_True);
             if (!v) { PyErr_Clear(); return 0; }
             PyObject *want = PyTuple_GET_ITEM(c->fpval, i);
             int eq = v == want ? 1 : PyObject_RichCompareBool(v, want, Py_EQ);
@@ -378,6 +426,8 @@ static Cached *cached_new(PyObject *x, PyObject *fp, PyObject *dtype) {
     c->ref = ref;
     c->fp = Py_NewRef(fp);
     c->spec = NULL;
+    c->tp = NULL;
+    c->descrs = NULL;
     c->fpval = NULL;
     c->geom = NULL;
     c->vdtype = NULL;
@@ -388,6 +438,8 @@ static Cached *cached_new(PyObject *x, PyObject *fp, PyObject *dtype) {
     if (spec && PyTuple_Check(spec)) {
         c->spec = spec;
         c->fpval = spec_values(spec, x);
+        c->tp = (PyTypeObject *)Py_NewRef((PyObject *)Py_TYPE(x));
+        c->descrs = spec_descrs(spec, c->tp);
     } else {
         Py_XDECREF(spec);
         PyErr_Clear();
@@ -723,7 +775,7 @@ static void seg_open(Segment *s);
  * a view's own attributes when its base is cached. */
 typedef struct {
     addr_t ptr, lo, hi;
-    int64_t rows, width, pitch, nbytes;
+    int64_t rows, width, pitch, nbytes, itemsize;
     int kind;
     int ndim; /* the destination's shape (-1: unknown) */
     int64_t shape[MAXDIM];
@@ -835,6 +887,7 @@ static int view_geo(Segment *s, PyObject *dst, PyObject *vspec, Geo *g) {
     g->nbytes = g->rows * g->width;
     g->kind = g->rows == 1 ? KIND_H2D : KIND_H2D_2D;
     g->dtype = b->dtype;
+    g->itemsize = b->itemsize;
     g->geom = Py_BuildValue("(KLLL)", (unsigned long long)ptr, (long long)g->rows,
                             (long long)g->width, (long long)g->pitch);
     ok = g->geom ? 1 : -1;
@@ -868,6 +921,7 @@ static PyObject *h2d_fast(Segment *s, PyObject *site, PyObject *dst, PyObject *s
         if (!c->kind || !cached_valid(c, dst)) return PyLong_FromLong(MISS);
         g.ptr = c->ptr; g.lo = c->lo; g.hi = c->hi; g.rows = c->rows; g.width = c->width;
         g.pitch = c->pitch; g.nbytes = c->nbytes; g.kind = c->kind; g.dtype = c->dtype;
+        g.itemsize = c->itemsize;
         g.ndim = c->ndim;
         if (c->ndim > 0) memcpy(g.shape, c->shape, (size_t)c->ndim * sizeof(int64_t));
         g.geom = Py_NewRef(c->geom);
@@ -887,7 +941,17 @@ static PyObject *h2d_fast(Segment *s, PyObject *site, PyObject *dst, PyObject *s
     }
     Py_INCREF(g.dtype);
     if (s->seg < 0) seg_open(s);
-    if ((PyObject *)Py_TYPE(src) == ndarray_type) {
+    if ((PyObject *)Py_TYPE(src) == ndarray_type &&
+        ((NpArray *)src)->descr == g.dtype) { /* the usual case: read the array's fields */
+        NpArray *a = (NpArray *)src;
+        int64_t n = 1;
+        for (int i = 0; i < a->nd; i++) n *= a->dimensions[i];
+        if ((a->flags & NPY_C_CONTIGUOUS_FLAG) && a->nd <= MAXDIM &&
+            n * g.itemsize == g.nbytes && shape_fits(a->nd, a->dimensions, g.ndim, g.shape))
+            r = skip ? 1
+                     : append_raw(s, site, on_drop, g.ptr, g.rows, g.width, g.pitch, g.lo, g.hi,
+                                  g.nbytes, g.kind, a->data, g.geom);
+    } else if ((PyObject *)Py_TYPE(src) == ndarray_type) {
         PyObject *dt = PyObject_GetAttr(src, s_dtype);
         if (!dt) { PyErr_Clear(); goto miss; }
         int eq = dt == g.dtype ? 1 : PyObject_RichCompareBool(dt, g.dtype, Py_EQ);
