@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import contextvars
 import threading
@@ -14,7 +13,7 @@ from . import _layout, check, pack
 from .adapters import ArrayInfo, fingerprint_fn, readonly_hint, resolve
 from .errors import CopyError
 from .plan import CopyPlan
-from .ring import DEMAND_WINDOW, StagingRing, free_orphans, orphan
+from .ring import DEMAND_WINDOW, StagingRing, WindowMax, free_orphans, orphan
 from .segment import BARRIER, FULL, ORDER, Segment
 from .sites import CopySite, Direction
 from .stats import CopyStats
@@ -157,7 +156,7 @@ class DeviceCopier:
         # the open segment: staging, ordering, encoding (compiled when built)
         merge_h2d = frozenset(s for s in self._merge if s.direction is _H2D)
         self._seg = Segment(merge_h2d, self._barriers, self.stats.sites)
-        self._tables = collections.deque(maxlen=DEMAND_WINDOW)  # largest table per step
+        self._tables = WindowMax(DEMAND_WINDOW)  # largest table per step
         self._try_h2d = self._seg.try_h2d
         # collected without close(): the ring is set aside, not freed by the collector
         self._finalizer = weakref.finalize(self, orphan, self._ring)
@@ -324,7 +323,7 @@ class DeviceCopier:
         tables.append(seg.peak)
         seg.peak = 0
         cap = (slot.size * 3 // 4 - pack.HEADER_BYTES) // pack.DESC_BYTES
-        seg.reserve = max(16, min(max(tables), cap))
+        seg.reserve = max(16, min(tables.max(), cap))
 
     def flush(self) -> None:
         """Barrier: land everything staged (one upload + one launch per open segment).

@@ -487,3 +487,20 @@ def test_a_close_that_fails_leaves_its_ring_to_be_freed_later(sim_env):
     assert sim_env.to_host(a).tolist() == [4] * 16
     sim_env.copier(PLAN).close()
     assert live(dev) == before
+
+
+def test_window_max_matches_max_over_the_window():
+    import collections
+    import random
+
+    from cucopy.ring import WindowMax
+
+    rng = random.Random(3)
+    for window in (1, 3, 64):
+        wm, ref = WindowMax(window), collections.deque(maxlen=window)
+        assert wm.max() == 0
+        for _ in range(500):
+            v = rng.randrange(0, 50)
+            wm.append(v)
+            ref.append(v)
+            assert wm.max() == max(ref)
