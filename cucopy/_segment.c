@@ -1487,6 +1487,120 @@ static PyTypeObject SegmentType = {
     .tp_new = PyType_GenericNew,
 };
 
+/* -- FastCopy: DeviceCopier.copy's fast path, with no Python frame ------------------
+ *
+ * A method descriptor (Py_TPFLAGS_METHOD_DESCRIPTOR: `copier.copy(...)` calls it
+ * with the copier first, no bound method made). It stages an H2D copy through the
+ * copier's compiled segment (the same h2d_fast as try_h2d) and otherwise calls the
+ * copier's own Python functions, given at construction: `full` (the whole copy(),
+ * for anything but the plain case) and `rest` (the general path after a miss).
+ * A barrier site's copy calls the copier's `_after_barrier(site)`. */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *full, *rest;
+    vectorcallfunc vectorcall;
+} FastCopy;
+
+static PyObject *s_seg, *s_after_barrier, *s_unchanged, *s_on_drop;
+
+static PyObject *fastcopy_call(FastCopy *f, PyObject *const *args, size_t nargsf,
+                               PyObject *kwnames) {
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    PyObject *on_drop = Py_None;
+    if (nargs != 4) goto full;
+    if (kwnames) {
+        Py_ssize_t nk = PyTuple_GET_SIZE(kwnames);
+        for (Py_ssize_t i = 0; i < nk; i++) {
+            PyObject *k = PyTuple_GET_ITEM(kwnames, i), *v = args[nargs + i];
+            if (k == s_on_drop) on_drop = v;
+            else if (k == s_unchanged && v == Py_False) continue;
+            else goto full; /* unchanged=True, or anything unusual */
+        }
+    }
+    PyObject *self = args[0];
+    PyObject *seg = PyObject_GetAttr(self, s_seg);
+    if (!seg) return NULL;
+    if (Py_TYPE(seg) != &SegmentType) { Py_DECREF(seg); goto full; }
+    PyObject *r = h2d_fast((Segment *)seg, args[1], args[2], args[3], on_drop, 0);
+    Py_DECREF(seg);
+    if (!r) return NULL;
+    long code = PyLong_AsLong(r);
+    Py_DECREF(r);
+    if (code == STAGED) Py_RETURN_TRUE;
+    if (code == BARRIER) {
+        PyObject *x = PyObject_CallMethodOneArg(self, s_after_barrier, args[1]);
+        if (!x) return NULL;
+        Py_DECREF(x);
+        Py_RETURN_TRUE;
+    }
+    {
+        PyObject *v[6] = {self, args[1], args[2], args[3], Py_False, on_drop};
+        return PyObject_Vectorcall(f->rest, v, 6, NULL);
+    }
+full:
+    return PyObject_Vectorcall(f->full, args, nargsf, kwnames);
+}
+
+static PyObject *fastcopy_new(PyTypeObject *tp, PyObject *args, PyObject *kw) {
+    PyObject *full, *rest;
+    if (!PyArg_ParseTuple(args, "OO:FastCopy", &full, &rest)) return NULL;
+    FastCopy *f = (FastCopy *)tp->tp_alloc(tp, 0);
+    if (!f) return NULL;
+    f->full = Py_NewRef(full);
+    f->rest = Py_NewRef(rest);
+    f->vectorcall = (vectorcallfunc)fastcopy_call;
+    return (PyObject *)f;
+}
+
+static int fastcopy_traverse(FastCopy *f, visitproc visit, void *arg) {
+    Py_VISIT(f->full); Py_VISIT(f->rest);
+    return 0;
+}
+
+static int fastcopy_clear(FastCopy *f) {
+    Py_CLEAR(f->full); Py_CLEAR(f->rest);
+    return 0;
+}
+
+static void fastcopy_dealloc(FastCopy *f) {
+    PyObject_GC_UnTrack(f);
+    fastcopy_clear(f);
+    Py_TYPE(f)->tp_free((PyObject *)f);
+}
+
+static PyObject *fastcopy_get(PyObject *f, PyObject *obj, PyObject *type) {
+    if (!obj || obj == Py_None) return Py_NewRef(f);
+    return PyMethod_New(f, obj);
+}
+
+static PyObject *fastcopy_getattro(FastCopy *f, PyObject *name) {
+    /* __doc__, __name__, __wrapped__ (for inspect.signature) ... from the Python copy() */
+    if (PyUnicode_CompareWithASCIIString(name, "__doc__") == 0) return PyObject_GetAttr(f->full, name);
+    PyObject *r = PyObject_GenericGetAttr((PyObject *)f, name);
+    if (r || !PyErr_ExceptionMatches(PyExc_AttributeError)) return r;
+    PyErr_Clear();
+    if (PyUnicode_CompareWithASCIIString(name, "__wrapped__") == 0) return Py_NewRef(f->full);
+    return PyObject_GetAttr(f->full, name);
+}
+
+static PyTypeObject FastCopyType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "cucopy._segment.FastCopy",
+    .tp_basicsize = sizeof(FastCopy),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL |
+                Py_TPFLAGS_METHOD_DESCRIPTOR,
+    .tp_doc = "DeviceCopier.copy with its fast path compiled (see the Python copy()).",
+    .tp_vectorcall_offset = offsetof(FastCopy, vectorcall),
+    .tp_call = PyVectorcall_Call,
+    .tp_descr_get = fastcopy_get,
+    .tp_getattro = (getattrofunc)fastcopy_getattro,
+    .tp_traverse = (traverseproc)fastcopy_traverse,
+    .tp_clear = (inquiry)fastcopy_clear,
+    .tp_dealloc = (destructor)fastcopy_dealloc,
+    .tp_new = fastcopy_new,
+};
+
 static struct PyModuleDef moduledef = {
     PyModuleDef_HEAD_INIT, "cucopy._segment",
     "The open segment, compiled (twin of cucopy.segment.PySegment).", -1, NULL,
@@ -1494,8 +1608,13 @@ static struct PyModuleDef moduledef = {
 
 PyMODINIT_FUNC PyInit__segment(void) {
     if (PyType_Ready(&EntryType) < 0 || PyType_Ready(&CachedType) < 0 ||
-        PyType_Ready(&SegmentType) < 0)
+        PyType_Ready(&SegmentType) < 0 || PyType_Ready(&FastCopyType) < 0)
         return NULL;
+    s_seg = PyUnicode_InternFromString("_seg");
+    s_after_barrier = PyUnicode_InternFromString("_after_barrier");
+    s_unchanged = PyUnicode_InternFromString("unchanged");
+    s_on_drop = PyUnicode_InternFromString("on_drop");
+    if (!s_seg || !s_after_barrier || !s_unchanged || !s_on_drop) return NULL;
     PyObject *np = PyImport_ImportModule("numpy");
     if (!np) return NULL;
     ndarray_type = PyObject_GetAttrString(np, "ndarray");
@@ -1509,7 +1628,8 @@ PyMODINIT_FUNC PyInit__segment(void) {
     PyObject *m = PyModule_Create(&moduledef);
     if (!m) return NULL;
     if (PyModule_AddObjectRef(m, "Segment", (PyObject *)&SegmentType) < 0 ||
-        PyModule_AddObjectRef(m, "Entry", (PyObject *)&EntryType) < 0) {
+        PyModule_AddObjectRef(m, "Entry", (PyObject *)&EntryType) < 0 ||
+        PyModule_AddObjectRef(m, "FastCopy", (PyObject *)&FastCopyType) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -15,6 +15,7 @@ from .errors import CopyError
 from .plan import CopyPlan
 from .ring import DEMAND_WINDOW, StagingRing, WindowMax, free_orphans, orphan
 from .segment import BARRIER, FULL, ORDER, Segment
+from .segment import FastCopy as _FastCopy
 from .sites import CopySite, Direction
 from .stats import CopyStats
 
@@ -513,19 +514,32 @@ class DeviceCopier:
             Bad input, naming the site and the offending value; nothing staged is lost.
         """
         if not unchanged:
-            # the fast path: a merged H2D copy into a known destination, staged in C
-            # (it checks the step, the thread and on_drop itself)
+            # the fast path: a merged H2D copy into a known destination, staged by the
+            # segment (it checks the step, the thread and on_drop itself)
             r = self._try_h2d(site, dst, src, on_drop)
             if r:
                 if r == BARRIER:
-                    self._refuse_capture_change(site)
-                    self._flush_segment()
+                    self._after_barrier(site)
                 return True
         elif self._seg.try_skip(site, dst, src):
             # a valid unchanged copy of a known destination (not in check mode or
             # under capture: the segment's fast path is off then)
             self.stats.sites[site].skipped += 1
             return False
+        return self._copy_general(site, dst, src, unchanged, on_drop)
+
+    if _FastCopy is not None:
+        # the compiled segment's fast path runs with no Python frame (it calls back
+        # _copy_general on a miss, and the Python copy above for anything unusual)
+        copy = _FastCopy(copy, lambda self, *a: self._copy_general(*a))
+
+    def _after_barrier(self, site) -> None:
+        """A copy through a barrier site was staged: land the open segment."""
+        self._refuse_capture_change(site)
+        self._flush_segment()
+
+    def _copy_general(self, site, dst, src, unchanged, on_drop) -> bool:
+        """``copy()`` past the fast path: validate, resolve, cache, then dispatch."""
         if self._closed or (self._in_step and self._owner != _get_ident()):
             self._live(site)
         direction = self._site(site, False)

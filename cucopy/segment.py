@@ -675,10 +675,14 @@ class PySegment:
 
 IMPLEMENTATION = "python"
 Segment = PySegment
+#: ``DeviceCopier.copy``'s compiled fast path (None with the pure-Python segment)
+FastCopy = None
 if not os.environ.get("CUCOPY_PURE_PYTHON"):
     try:
-        from ._segment import Segment  # noqa: F811
-
-        IMPLEMENTATION = "compiled"
+        from . import _segment as _compiled
     except ImportError:
         pass
+    else:
+        Segment = _compiled.Segment
+        FastCopy = _compiled.FastCopy
+        IMPLEMENTATION = "compiled"

@@ -233,3 +233,35 @@ def test_an_unchanged_copy_of_a_known_destination_is_skipped_cheaply(twin):
             c.copy(Site.A, dst, src[:3], unchanged=True)
     assert c.stats.sites[Site.A].skipped == 1
     c.close()
+
+
+def test_copy_keeps_its_signature_whichever_path_runs(twin):
+    # DeviceCopier.copy is the compiled FastCopy when the extension is built: the same
+    # arguments, errors, docstring and signature as the Python method
+    import inspect
+
+    if segment.FastCopy is not None:
+        assert isinstance(cc.DeviceCopier.__dict__["copy"], segment.FastCopy)
+    assert "through ``site``" in cc.DeviceCopier.copy.__doc__
+    params = list(inspect.signature(cc.DeviceCopier.copy).parameters)
+    assert params == ["self", "site", "dst", "src", "unchanged", "on_drop"]
+    dev = SimDevice(policy="lazy")
+    c = cc.DeviceCopier(PLAN, stream=dev.default_stream, device=dev, backend="sim")
+    dst = dev.zeros((4,), np.int32)
+    src = np.arange(4, dtype=np.int32)
+    drops = []
+    with c.step():
+        assert c.copy(Site.A, dst, src) is True  # first sight: the general path
+        assert c.copy(Site.B, dst[:2], src[:2] + 10, unchanged=False) is True
+        assert c.copy(Site.C, dst[2:], src[2:] + 20, on_drop=lambda: drops.append(1))
+        assert c.staged == 0  # Site.C is a barrier: its copy flushed the segment
+        with pytest.raises(TypeError):
+            c.copy(Site.A, dst, src, True)  # unchanged is keyword-only
+        with pytest.raises(TypeError):
+            c.copy(Site.A, dst, src, bogus=1)
+        with pytest.raises(TypeError, match="on_drop must be callable"):
+            c.copy(Site.A, dst, src, on_drop=3)
+        bound = c.copy
+        assert bound(Site.A, dst, src) is True
+    assert dev.to_host(dst).tolist() == [0, 1, 2, 3] and drops == []
+    c.close()
