@@ -1601,6 +1601,97 @@ static PyTypeObject FastCopyType = {
     .tp_new = fastcopy_new,
 };
 
+/* -- FastRoute: cucopy.copy with no Python frame when a copier is active ------------
+ * Reads the active-copier context variable; when the copier's copy is a FastCopy,
+ * calls it with the copier first; otherwise (no active copier: a plain copy) the
+ * Python function given at construction. */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *var, *fallback;
+    vectorcallfunc vectorcall;
+} FastRoute;
+
+static PyObject *s_copy;
+
+static PyObject *fastroute_call(FastRoute *f, PyObject *const *args, size_t nargsf,
+                                PyObject *kwnames) {
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    Py_ssize_t total = nargs + (kwnames ? PyTuple_GET_SIZE(kwnames) : 0);
+    PyObject *c = NULL;
+    if (total < 8 && PyContextVar_Get(f->var, NULL, &c) == 0 && c && c != Py_None) {
+        PyObject *m = _PyType_Lookup(Py_TYPE(c), s_copy); /* borrowed */
+        if (m && Py_TYPE(m) == &FastCopyType) {
+            PyObject *v[8];
+            v[0] = c;
+            memcpy(v + 1, args, (size_t)total * sizeof(PyObject *));
+            PyObject *r = fastcopy_call((FastCopy *)m, v, (size_t)(nargs + 1), kwnames);
+            Py_DECREF(c);
+            return r;
+        }
+    }
+    if (PyErr_Occurred()) { Py_XDECREF(c); return NULL; }
+    Py_XDECREF(c);
+    return PyObject_Vectorcall(f->fallback, args, nargsf, kwnames);
+}
+
+static PyObject *fastroute_new(PyTypeObject *tp, PyObject *args, PyObject *kw) {
+    PyObject *var, *fallback;
+    if (!PyArg_ParseTuple(args, "OO:FastRoute", &var, &fallback)) return NULL;
+    if (!PyContextVar_CheckExact(var)) {
+        PyErr_SetString(PyExc_TypeError, "FastRoute: expected a ContextVar");
+        return NULL;
+    }
+    FastRoute *f = (FastRoute *)tp->tp_alloc(tp, 0);
+    if (!f) return NULL;
+    f->var = Py_NewRef(var);
+    f->fallback = Py_NewRef(fallback);
+    f->vectorcall = (vectorcallfunc)fastroute_call;
+    return (PyObject *)f;
+}
+
+static int fastroute_traverse(FastRoute *f, visitproc visit, void *arg) {
+    Py_VISIT(f->var); Py_VISIT(f->fallback);
+    return 0;
+}
+
+static int fastroute_clear(FastRoute *f) {
+    Py_CLEAR(f->var); Py_CLEAR(f->fallback);
+    return 0;
+}
+
+static void fastroute_dealloc(FastRoute *f) {
+    PyObject_GC_UnTrack(f);
+    fastroute_clear(f);
+    Py_TYPE(f)->tp_free((PyObject *)f);
+}
+
+static PyObject *fastroute_getattro(FastRoute *f, PyObject *name) {
+    if (PyUnicode_CompareWithASCIIString(name, "__doc__") == 0)
+        return PyObject_GetAttr(f->fallback, name);
+    PyObject *r = PyObject_GenericGetAttr((PyObject *)f, name);
+    if (r || !PyErr_ExceptionMatches(PyExc_AttributeError)) return r;
+    PyErr_Clear();
+    if (PyUnicode_CompareWithASCIIString(name, "__wrapped__") == 0)
+        return Py_NewRef(f->fallback);
+    return PyObject_GetAttr(f->fallback, name);
+}
+
+static PyTypeObject FastRouteType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "cucopy._segment.FastRoute",
+    .tp_basicsize = sizeof(FastRoute),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_doc = "cucopy.copy with its fast path compiled (see the Python copy()).",
+    .tp_vectorcall_offset = offsetof(FastRoute, vectorcall),
+    .tp_call = PyVectorcall_Call,
+    .tp_getattro = (getattrofunc)fastroute_getattro,
+    .tp_traverse = (traverseproc)fastroute_traverse,
+    .tp_clear = (inquiry)fastroute_clear,
+    .tp_dealloc = (destructor)fastroute_dealloc,
+    .tp_new = fastroute_new,
+};
+
 static struct PyModuleDef moduledef = {
     PyModuleDef_HEAD_INIT, "cucopy._segment",
     "The open segment, compiled (twin of cucopy.segment.PySegment).", -1, NULL,
@@ -1608,8 +1699,11 @@ static struct PyModuleDef moduledef = {
 
 PyMODINIT_FUNC PyInit__segment(void) {
     if (PyType_Ready(&EntryType) < 0 || PyType_Ready(&CachedType) < 0 ||
-        PyType_Ready(&SegmentType) < 0 || PyType_Ready(&FastCopyType) < 0)
+        PyType_Ready(&SegmentType) < 0 || PyType_Ready(&FastCopyType) < 0 ||
+        PyType_Ready(&FastRouteType) < 0)
         return NULL;
+    s_copy = PyUnicode_InternFromString("copy");
+    if (!s_copy) return NULL;
     s_seg = PyUnicode_InternFromString("_seg");
     s_after_barrier = PyUnicode_InternFromString("_after_barrier");
     s_unchanged = PyUnicode_InternFromString("unchanged");
@@ -1629,7 +1723,8 @@ PyMODINIT_FUNC PyInit__segment(void) {
     if (!m) return NULL;
     if (PyModule_AddObjectRef(m, "Segment", (PyObject *)&SegmentType) < 0 ||
         PyModule_AddObjectRef(m, "Entry", (PyObject *)&EntryType) < 0 ||
-        PyModule_AddObjectRef(m, "FastCopy", (PyObject *)&FastCopyType) < 0) {
+        PyModule_AddObjectRef(m, "FastCopy", (PyObject *)&FastCopyType) < 0 ||
+        PyModule_AddObjectRef(m, "FastRoute", (PyObject *)&FastRouteType) < 0) {
         Py_DECREF(m);
         return NULL;
     }

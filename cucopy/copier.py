@@ -16,6 +16,7 @@ from .plan import CopyPlan
 from .ring import DEMAND_WINDOW, StagingRing, WindowMax, free_orphans, orphan
 from .segment import BARRIER, FULL, ORDER, Segment
 from .segment import FastCopy as _FastCopy
+from .segment import FastRoute as _FastRoute
 from .sites import CopySite, Direction
 from .stats import CopyStats
 
@@ -1238,6 +1239,12 @@ def copy(site: CopySite, dst, src, *, unchanged: bool = False, on_drop=None) -> 
         return c.copy(site, dst, src, unchanged=unchanged, on_drop=on_drop)
     finally:
         _give_back(key, c)
+
+
+if _FastRoute is not None:
+    # to the active copier's compiled copy with no Python frame; the function above
+    # for a plain copy (no active copier) and anything else
+    copy = _FastRoute(_active, copy)
 
 
 def fill_tail(

@@ -677,6 +677,8 @@ IMPLEMENTATION = "python"
 Segment = PySegment
 #: ``DeviceCopier.copy``'s compiled fast path (None with the pure-Python segment)
 FastCopy = None
+#: ``cucopy.copy``'s compiled routing to the active copier (None with the pure-Python segment)
+FastRoute = None
 if not os.environ.get("CUCOPY_PURE_PYTHON"):
     try:
         from . import _segment as _compiled
@@ -685,4 +687,5 @@ if not os.environ.get("CUCOPY_PURE_PYTHON"):
     else:
         Segment = _compiled.Segment
         FastCopy = _compiled.FastCopy
+        FastRoute = _compiled.FastRoute
         IMPLEMENTATION = "compiled"

@@ -265,3 +265,24 @@ def test_copy_keeps_its_signature_whichever_path_runs(twin):
         assert bound(Site.A, dst, src) is True
     assert dev.to_host(dst).tolist() == [0, 1, 2, 3] and drops == []
     c.close()
+
+
+def test_module_level_copy_routes_to_the_active_copier(twin):
+    dev = SimDevice(policy="lazy")
+    c = cc.DeviceCopier(PLAN, stream=dev.default_stream, device=dev, backend="sim")
+    dst = dev.zeros((4,), np.int32)
+    with c.activate():
+        with c.step():
+            assert cc.copy(Site.A, dst, np.arange(4, dtype=np.int32)) is True
+        calls = _spy(c)
+        with c.step():
+            assert cc.copy(Site.A, dst, np.arange(4, dtype=np.int32) + 5) is True
+            assert c.staged == 1  # staged in the active copier, on its fast path
+            assert cc.copy(Site.A, dst, np.arange(4, dtype=np.int32) + 7, unchanged=True) is False
+        assert calls == []
+    assert dev.to_host(dst).tolist() == [5, 6, 7, 8]
+    # no active copier: a plain copy on the device's stream
+    assert cc.copy(Site.PLAIN, dst, np.full(4, 3, np.int32)) is True
+    dev.synchronize()
+    assert dev.to_host(dst).tolist() == [3] * 4
+    c.close()
