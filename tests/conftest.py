@@ -117,7 +117,12 @@ class CudaEnv:
         return self._default
 
     def empty(self, shape, dtype=np.int32):
-        return self.cp.zeros(shape, dtype)
+        # zeroed on CuPy's current stream, which the copier's non-blocking streams do not
+        # wait for: wait here, or a large memset (8 GiB: milliseconds) lands after copies
+        # made right away. Only that stream: another may be held.
+        a = self.cp.zeros(shape, dtype)
+        self.cp.cuda.get_current_stream().synchronize()
+        return a
 
     def asarray(self, host):
         return self.cp.asarray(np.asarray(host))
