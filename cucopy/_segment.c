@@ -51,7 +51,7 @@ typedef struct {
     int flags;
 } NpArray;
 #define NPY_C_CONTIGUOUS_FLAG 0x0001
-static PyObject *s_dtype, *s_spec, *s_merged, *s_view;
+static PyObject *s_dtype, *s_spec, *s_view;
 
 static inline int64_t align_up(int64_t n, int64_t a) { return (n + a - 1) & -a; }
 
@@ -460,7 +460,10 @@ typedef struct {
 
 typedef struct {
     PyObject_HEAD
-    PyObject *merge, *barriers, *sites;
+    PyObject *merge, *barriers;
+    PyObject **ckeys; /* per-site merged counts: an open-addressed table by site identity */
+    Py_ssize_t *cvals;
+    Py_ssize_t ccap, cused;
     PyObject *slot;
     Py_buffer view; /* the slot's pinned bytes, held while bound */
     int bound;
@@ -476,7 +479,8 @@ typedef struct {
 } Segment;
 
 static int seg_traverse(Segment *s, visitproc visit, void *arg) {
-    Py_VISIT(s->merge); Py_VISIT(s->barriers); Py_VISIT(s->sites); Py_VISIT(s->slot);
+    Py_VISIT(s->merge); Py_VISIT(s->barriers); Py_VISIT(s->slot);
+    for (Py_ssize_t i = 0; i < s->ccap; i++) Py_VISIT(s->ckeys[i]);
     Py_VISIT(s->entries); Py_VISIT(s->dcache); Py_VISIT(s->scache); Py_VISIT(s->vtypes);
     return 0;
 }
@@ -491,7 +495,8 @@ static void seg_release(Segment *s) {
 
 static int seg_clear(Segment *s) {
     seg_release(s);
-    Py_CLEAR(s->merge); Py_CLEAR(s->barriers); Py_CLEAR(s->sites);
+    Py_CLEAR(s->merge); Py_CLEAR(s->barriers);
+    for (Py_ssize_t i = 0; i < s->ccap; i++) Py_CLEAR(s->ckeys[i]);
     Py_CLEAR(s->entries); Py_CLEAR(s->dcache); Py_CLEAR(s->scache); Py_CLEAR(s->vtypes);
     return 0;
 }
@@ -500,19 +505,20 @@ static void seg_dealloc(Segment *s) {
     PyObject_GC_UnTrack(s);
     seg_clear(s);
     PyMem_Free(s->descs.v);
+    PyMem_Free(s->ckeys);
+    PyMem_Free(s->cvals);
     PyMem_Free(s->writes.lo); PyMem_Free(s->writes.hi);
     PyMem_Free(s->reads.lo); PyMem_Free(s->reads.hi);
     Py_TYPE(s)->tp_free((PyObject *)s);
 }
 
 static int seg_init(Segment *s, PyObject *args, PyObject *kw) {
-    PyObject *merge, *barriers, *sites;
-    static char *kwlist[] = {"merge", "barriers", "sites", NULL};
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOO", kwlist, &merge, &barriers, &sites))
+    PyObject *merge, *barriers;
+    static char *kwlist[] = {"merge", "barriers", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO", kwlist, &merge, &barriers))
         return -1;
     Py_XSETREF(s->merge, Py_NewRef(merge));
     Py_XSETREF(s->barriers, Py_NewRef(barriers));
-    Py_XSETREF(s->sites, Py_NewRef(sites));
     Py_XSETREF(s->entries, PyList_New(0));
     Py_XSETREF(s->dcache, PyDict_New());
     Py_XSETREF(s->scache, PyDict_New());
@@ -1335,19 +1341,57 @@ fail:
 
 /* -- per-site merged counters: folded into sites[site].merged ------------------ */
 
+static Py_ssize_t count_slot(PyObject **keys, Py_ssize_t cap, PyObject *site) {
+    size_t h = ((size_t)(uintptr_t)site >> 4) * 0x9E3779B97F4A7C15ull;
+    Py_ssize_t i = (Py_ssize_t)(h & (size_t)(cap - 1));
+    while (keys[i] && keys[i] != site) i = (i + 1) & (cap - 1);
+    return i;
+}
+
+/* count n more copies of site as merged (folded into stats by fold()) */
 static int count_merged(Segment *s, PyObject *site, Py_ssize_t n) {
-    PyObject *st = PyObject_GetItem(s->sites, site);
-    if (!st) return -1;
-    PyObject *v = PyObject_GetAttr(st, s_merged);
-    if (!v) { Py_DECREF(st); return -1; }
-    PyObject *k = PyLong_FromSsize_t(n);
-    PyObject *sum = k ? PyNumber_Add(v, k) : NULL;
-    Py_DECREF(v);
-    Py_XDECREF(k);
-    int r = sum ? PyObject_SetAttr(st, s_merged, sum) : -1;
-    Py_XDECREF(sum);
-    Py_DECREF(st);
-    return r;
+    if (2 * (s->cused + 1) > s->ccap) { /* grow: at most half full */
+        Py_ssize_t cap = s->ccap ? 2 * s->ccap : 64;
+        PyObject **keys = PyMem_Calloc((size_t)cap, sizeof(PyObject *));
+        Py_ssize_t *vals = PyMem_Calloc((size_t)cap, sizeof(Py_ssize_t));
+        if (!keys || !vals) { PyMem_Free(keys); PyMem_Free(vals); PyErr_NoMemory(); return -1; }
+        for (Py_ssize_t i = 0; i < s->ccap; i++) {
+            if (!s->ckeys[i]) continue;
+            Py_ssize_t j = count_slot(keys, cap, s->ckeys[i]);
+            keys[j] = s->ckeys[i];
+            vals[j] = s->cvals[i];
+        }
+        PyMem_Free(s->ckeys);
+        PyMem_Free(s->cvals);
+        s->ckeys = keys;
+        s->cvals = vals;
+        s->ccap = cap;
+    }
+    Py_ssize_t i = count_slot(s->ckeys, s->ccap, site);
+    if (!s->ckeys[i]) {
+        s->ckeys[i] = Py_NewRef(site);
+        s->cused++;
+    }
+    s->cvals[i] += n;
+    return 0;
+}
+
+static PyObject *seg_fold(Segment *s, PyObject *unused) {
+    /* {site: merged copies counted since the last fold}; the counts restart at 0 */
+    PyObject *out = PyDict_New();
+    if (!out) return NULL;
+    for (Py_ssize_t i = 0; i < s->ccap; i++) {
+        if (!s->ckeys[i] || !s->cvals[i]) continue;
+        PyObject *v = PyLong_FromSsize_t(s->cvals[i]);
+        if (!v || PyDict_SetItem(out, s->ckeys[i], v) < 0) {
+            Py_XDECREF(v);
+            Py_DECREF(out);
+            return NULL;
+        }
+        Py_DECREF(v);
+        s->cvals[i] = 0;
+    }
+    return out;
 }
 
 static void seg_reset_state(Segment *s) {
@@ -1468,6 +1512,8 @@ static PyMethodDef seg_methods[] = {
     {"desc", (PyCFunction)seg_desc, METH_O, "Descriptor i as a tuple."},
     {"cut", (PyCFunction)seg_cut, METH_O, "Encode the open segment into the slot."},
     {"finish", (PyCFunction)seg_finish, METH_NOARGS, "Count and close a launched segment."},
+    {"fold", (PyCFunction)seg_fold, METH_NOARGS,
+     "Merged copies per site since the last fold (the counts restart)."},
     {"reset", (PyCFunction)seg_reset, METH_NOARGS, "Close without landing; returns entries."},
     {NULL},
 };
@@ -1716,9 +1762,8 @@ PyMODINIT_FUNC PyInit__segment(void) {
     if (!ndarray_type) return NULL;
     s_dtype = PyUnicode_InternFromString("dtype");
     s_spec = PyUnicode_InternFromString("__cucopy_spec__");
-    s_merged = PyUnicode_InternFromString("merged");
     s_view = PyUnicode_InternFromString("__cucopy_view__");
-    if (!s_dtype || !s_spec || !s_merged || !s_view) return NULL;
+    if (!s_dtype || !s_spec || !s_view) return NULL;
     PyObject *m = PyModule_Create(&moduledef);
     if (!m) return NULL;
     if (PyModule_AddObjectRef(m, "Segment", (PyObject *)&SegmentType) < 0 ||

@@ -157,7 +157,8 @@ class DeviceCopier:
         self._checker = None
         # the open segment: staging, ordering, encoding (compiled when built)
         merge_h2d = frozenset(s for s in self._merge if s.direction is _H2D)
-        self._seg = Segment(merge_h2d, self._barriers, self.stats.sites)
+        self._seg = Segment(merge_h2d, self._barriers)
+        self.stats.pending.append(self._seg.fold)  # its merged counts, read with stats.sites
         self._tables = WindowMax(DEMAND_WINDOW)  # largest table per step
         self._try_h2d = self._seg.try_h2d
         # collected without close(): the ring is set aside, not freed by the collector

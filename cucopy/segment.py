@@ -172,15 +172,15 @@ class PySegment:
         The plan's merged H2D sites (the only ones :meth:`try_h2d` takes).
     barriers : frozenset
         The plan's ``flush_after`` sites.
-    sites : mapping
-        ``site -> SiteStats`` (a ``defaultdict``): the flush counts each landed
-        copy in its site's ``merged``.
+
+    The flush counts each landed copy as merged under its site; :meth:`fold` hands
+    the counts over (``CopyStats`` folds them in when its ``sites`` are read).
     """
 
     __slots__ = (
         "merge",
         "barriers",
-        "sites",
+        "counts",
         "_fast",
         "owner",
         "slot",
@@ -203,10 +203,10 @@ class PySegment:
         "vtypes",
     )
 
-    def __init__(self, merge, barriers, sites):
+    def __init__(self, merge, barriers):
         self.merge = merge
         self.barriers = barriers
-        self.sites = sites
+        self.counts: dict = {}  # site -> merged copies not yet folded
         self._fast = False
         self.owner = None
         self.slot = None
@@ -554,7 +554,7 @@ class PySegment:
                     self.descs[old] = desc
                     if on_drop is not None:
                         e.on_drop = (e.on_drop or []) + [on_drop]
-                    self.sites[e.site].merged += 1  # the superseded copy
+                    self._count(e.site)  # the superseded copy
                     e.site = site  # counted at flush
                     return e
             return None
@@ -655,10 +655,17 @@ class PySegment:
         """The cut segment was launched: count its copies, close it."""
         end = self.cursor
         self.bottom = self.slot.bottom = end
-        sites = self.sites
         for e in self.entries:
-            sites[e.site].merged += 1
+            self._count(e.site)
         self.reset()
+
+    def _count(self, site) -> None:
+        self.counts[site] = self.counts.get(site, 0) + 1
+
+    def fold(self) -> dict:
+        """Merged copies per site since the last fold; the counts restart at 0."""
+        out, self.counts = {k: v for k, v in self.counts.items() if v}, {}
+        return out
 
     def reset(self) -> list:
         """Close the open segment without landing it; returns its entries (for ``on_drop``)."""

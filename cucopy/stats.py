@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -29,14 +30,26 @@ class SiteStats:
         Copies verified by check mode.
     """
 
-    __slots__ = ("merged", "eager", "skipped", "fallback", "checked")
+    __slots__ = ("_merged", "_owner", "eager", "skipped", "fallback", "checked")
 
-    def __init__(self) -> None:
-        self.merged = 0
+    def __init__(self, owner: CopyStats | None = None) -> None:
+        self._owner = owner  # folds the counts still pending before merged is read
+        self._merged = 0
         self.eager = 0
         self.skipped = 0
         self.fallback: collections.Counter[str] = collections.Counter()
         self.checked = 0
+
+    @property
+    def merged(self) -> int:
+        """Copies staged into a segment (and landed, or landing)."""
+        if self._owner is not None:
+            self._owner.fold()
+        return self._merged
+
+    @merged.setter
+    def merged(self, value: int) -> None:
+        self._merged = value
 
     def as_dict(self) -> dict:
         """The counters as plain values."""
@@ -58,7 +71,11 @@ class CopyStats:
     Attributes
     ----------
     sites : dict
-        ``site -> SiteStats``, created on first use.
+        ``site -> SiteStats``, created on first use (merged counts kept by the
+        copier's segment are folded in when this is read).
+    pending : list
+        Callables returning ``{site: merged copies}`` counted elsewhere since their
+        last call (the copier's segment counts in C); folded into ``sites``.
     steps : int
         Steps begun.
     segments : int
@@ -75,7 +92,7 @@ class CopyStats:
         whole in the launch's parameters).
     """
 
-    sites: collections.defaultdict[CopySite, SiteStats]
+    pending: list[Callable[[], dict]]
     steps: int
     segments: int
     bytes_staged: int
@@ -84,12 +101,30 @@ class CopyStats:
     modes: dict[str, int]
 
     def __init__(self) -> None:
-        self.sites = collections.defaultdict(SiteStats)
+        self._sites: collections.defaultdict[CopySite, SiteStats] = collections.defaultdict(
+            lambda: SiteStats(self)
+        )
+        self.pending = []
         self._zero()
 
+    def fold(self) -> None:
+        """Add the counts still pending (the copier's segment keeps them) to ``sites``."""
+        sites = self._sites
+        for fold in self.pending:
+            for site, n in fold().items():
+                sites[site]._merged += n
+
+    @property
+    def sites(self) -> collections.defaultdict[CopySite, SiteStats]:
+        """``site -> SiteStats``, with the counts still pending folded in."""
+        self.fold()
+        return self._sites
+
     def reset(self) -> None:
-        """Zero every counter (``sites`` is cleared in place: the copier's segment counts into it)."""
-        self.sites.clear()
+        """Zero every counter (counts still pending are dropped too)."""
+        for fold in self.pending:
+            fold()
+        self._sites.clear()
         self._zero()
 
     def _zero(self) -> None:

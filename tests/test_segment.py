@@ -286,3 +286,19 @@ def test_module_level_copy_routes_to_the_active_copier(twin):
     dev.synchronize()
     assert dev.to_host(dst).tolist() == [3] * 4
     c.close()
+
+
+def test_merged_counts_are_folded_whenever_they_are_read(twin):
+    # the segment counts merged copies itself (in C: no per-copy Python work at flush);
+    # stats.sites and a SiteStats held from before see them
+    dev = SimDevice(policy="lazy")
+    c = cc.DeviceCopier(PLAN, stream=dev.default_stream, device=dev, backend="sim")
+    dst = dev.zeros((4,), np.int32)
+    held = c.stats.sites[Site.A]
+    for k in range(3):
+        with c.step():
+            c.copy(Site.A, dst, np.arange(4, dtype=np.int32) + k)
+            c.copy(Site.B, dst[:1], np.zeros(1, np.int32))
+    assert held.merged == 3 and c.stats.sites[Site.B].merged == 3
+    assert c.stats.as_dict()["sites"]["Site.A"]["merged"] == 3
+    c.close()
