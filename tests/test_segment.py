@@ -116,6 +116,12 @@ def twin(request, monkeypatch):
     return request.param
 
 
+def _sim_copier():
+    """A lazy simulated device and a copier on it with PLAN."""
+    dev = SimDevice(policy="lazy")
+    return dev, cc.DeviceCopier(PLAN, stream=dev.default_stream, device=dev, backend="sim")
+
+
 def _spy(c):
     """Count copies the general path resolves (the fast path resolves nothing)."""
     calls = []
@@ -130,8 +136,7 @@ def _spy(c):
 
 
 def test_views_made_afresh_take_the_fast_path(twin):
-    dev = SimDevice(policy="lazy")
-    c = cc.DeviceCopier(PLAN, stream=dev.default_stream, device=dev, backend="sim")
+    dev, c = _sim_copier()
     buf = dev.zeros((64,), np.int32)
     table = dev.zeros((8, 16), np.int32)
     with c.step():  # first sight: resolved, and the arrays they are views of cached
@@ -161,8 +166,7 @@ def test_views_made_afresh_take_the_fast_path(twin):
 
 def test_torch_cpu_sources_take_the_fast_path(twin):
     torch = pytest.importorskip("torch")
-    dev = SimDevice(policy="lazy")
-    c = cc.DeviceCopier(PLAN, stream=dev.default_stream, device=dev, backend="sim")
+    dev, c = _sim_copier()
     dst = dev.zeros((6,), np.int32)
     src = torch.arange(6, dtype=torch.int32)
     with c.step():
@@ -186,8 +190,7 @@ def test_torch_cpu_sources_take_the_fast_path(twin):
 
 
 def test_counts_survive_a_stats_reset(twin):
-    dev = SimDevice(policy="lazy")
-    c = cc.DeviceCopier(PLAN, stream=dev.default_stream, device=dev, backend="sim")
+    dev, c = _sim_copier()
     dst = dev.zeros((4,), np.int32)
     with c.step():
         c.copy(Site.A, dst, np.arange(4, dtype=np.int32))
@@ -201,8 +204,7 @@ def test_counts_survive_a_stats_reset(twin):
 
 def test_a_descriptor_field_too_wide_fails_the_flush_with_its_site(twin):
     # a row pitch of 2**32 bytes does not fit the wire format: the flush names the site
-    dev = SimDevice(policy="lazy")
-    c = cc.DeviceCopier(PLAN, stream=dev.default_stream, device=dev, backend="sim")
+    dev, c = _sim_copier()
     dropped = []
     with c.step():
         desc = (1 << 40, 1 << 41, 0, 1 << 32, 4, 4, 2, pack.KIND_D2D, 0, 0)
@@ -214,8 +216,7 @@ def test_a_descriptor_field_too_wide_fails_the_flush_with_its_site(twin):
 
 
 def test_an_unchanged_copy_of_a_known_destination_is_skipped_cheaply(twin):
-    dev = SimDevice(policy="lazy")
-    c = cc.DeviceCopier(PLAN, stream=dev.default_stream, device=dev, backend="sim")
+    dev, c = _sim_copier()
     dst = dev.zeros((4,), np.int32)
     src = np.arange(4, dtype=np.int32)
     with c.step():
@@ -245,8 +246,7 @@ def test_copy_keeps_its_signature_whichever_path_runs(twin):
     assert "through ``site``" in cc.DeviceCopier.copy.__doc__
     params = list(inspect.signature(cc.DeviceCopier.copy).parameters)
     assert params == ["self", "site", "dst", "src", "unchanged", "on_drop"]
-    dev = SimDevice(policy="lazy")
-    c = cc.DeviceCopier(PLAN, stream=dev.default_stream, device=dev, backend="sim")
+    dev, c = _sim_copier()
     dst = dev.zeros((4,), np.int32)
     src = np.arange(4, dtype=np.int32)
     drops = []
@@ -268,8 +268,7 @@ def test_copy_keeps_its_signature_whichever_path_runs(twin):
 
 
 def test_module_level_copy_routes_to_the_active_copier(twin):
-    dev = SimDevice(policy="lazy")
-    c = cc.DeviceCopier(PLAN, stream=dev.default_stream, device=dev, backend="sim")
+    dev, c = _sim_copier()
     dst = dev.zeros((4,), np.int32)
     with c.activate():
         with c.step():
@@ -291,8 +290,7 @@ def test_module_level_copy_routes_to_the_active_copier(twin):
 def test_merged_counts_are_folded_whenever_they_are_read(twin):
     # the segment counts merged copies itself (in C: no per-copy Python work at flush);
     # stats.sites and a SiteStats held from before see them
-    dev = SimDevice(policy="lazy")
-    c = cc.DeviceCopier(PLAN, stream=dev.default_stream, device=dev, backend="sim")
+    dev, c = _sim_copier()
     dst = dev.zeros((4,), np.int32)
     held = c.stats.sites[Site.A]
     for k in range(3):
