@@ -403,3 +403,48 @@ def test_threads_without_an_active_copier_get_independent_plain_copies(policy, b
     # one plain copier per call in flight at once, kept for the next calls
     pools = [p for k, p in copier_module._plain.items() if k[0] == id(dev)]
     assert len(pools) == 1 and 1 <= len(pools[0]) <= nthreads
+
+
+@pytest.mark.parametrize("policy", ["lazy", "random"])
+def test_two_devices_run_a_decode_loop_each_from_two_threads(policy):
+    """What the two-GPU run checks, on two simulated devices: a decode-like loop per
+    device (a copier, a stream and a thread each; merged uploads into fresh views, a
+    barrier, a D2D gather, tail fills), bit-identical to the same work done as plain
+    copies on that device, and an array of the other device refused by each copier."""
+    devs = [SimDevice(policy=policy, seed=7 + i) for i in range(2)]
+    steps, width = 50, 16
+    mismatches = {}
+
+    def work(pos, table, gathered, n, p, t):
+        cc.copy(Site.POS, pos[:n], p)
+        cc.copy(Site.TABLE, table[:n], t)  # a barrier: lands before the gather
+        cc.copy(Site.GATHER, gathered[:n], table[:n])
+        cc.fill_tail(Site.TAIL, pos, n, -1)
+
+    def loop(i):
+        dev = devs[i]
+        c = cc.DeviceCopier(PLAN, stream=dev.stream(), device=dev, backend="sim")
+        rng = np.random.default_rng(i)
+        got = [dev.zeros((width,), np.int32) for _ in range(3)]  # pos, table, gathered
+        ref = [dev.zeros((width,), np.int32) for _ in range(3)]
+        other = devs[1 - i].zeros((4,), np.int32)
+        bad = 0
+        for _ in range(steps):
+            n = int(rng.integers(1, width))
+            p = rng.integers(0, 1 << 20, n).astype(np.int32)
+            t = rng.integers(0, 1 << 20, n).astype(np.int32)
+            p0, t0 = p.copy(), t.copy()
+            with c.activate(), c.step():
+                work(*got, n, p, t)
+                with pytest.raises(ValueError, match="not on this copier's device"):
+                    cc.copy(Site.POS, other, p[:4])
+                p[:] = t[:] = 0  # refilled right after the calls: changes nothing
+            work(*ref, n, p0, t0)  # no copier active: plain copies on the device
+            dev.synchronize()
+            bad += sum(not np.array_equal(dev.to_host(g), dev.to_host(r)) for g, r in zip(got, ref))
+        mismatches[i] = bad
+        assert c.stats.sites[Site.POS].merged == steps
+        c.close()
+
+    _run_threads([loop, loop])
+    assert mismatches == {0: 0, 1: 0}
