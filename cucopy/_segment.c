@@ -460,7 +460,7 @@ typedef struct {
 
 typedef struct {
     PyObject_HEAD
-    PyObject *merge, *barriers;
+    PyObject *merge, *barriers, *fills;
     PyObject **ckeys; /* per-site merged counts: an open-addressed table by site identity */
     Py_ssize_t *cvals;
     Py_ssize_t ccap, cused;
@@ -479,7 +479,7 @@ typedef struct {
 } Segment;
 
 static int seg_traverse(Segment *s, visitproc visit, void *arg) {
-    Py_VISIT(s->merge); Py_VISIT(s->barriers); Py_VISIT(s->slot);
+    Py_VISIT(s->merge); Py_VISIT(s->barriers); Py_VISIT(s->fills); Py_VISIT(s->slot);
     for (Py_ssize_t i = 0; i < s->ccap; i++) Py_VISIT(s->ckeys[i]);
     Py_VISIT(s->entries); Py_VISIT(s->dcache); Py_VISIT(s->scache); Py_VISIT(s->vtypes);
     return 0;
@@ -495,7 +495,7 @@ static void seg_release(Segment *s) {
 
 static int seg_clear(Segment *s) {
     seg_release(s);
-    Py_CLEAR(s->merge); Py_CLEAR(s->barriers);
+    Py_CLEAR(s->merge); Py_CLEAR(s->barriers); Py_CLEAR(s->fills);
     for (Py_ssize_t i = 0; i < s->ccap; i++) Py_CLEAR(s->ckeys[i]);
     Py_CLEAR(s->entries); Py_CLEAR(s->dcache); Py_CLEAR(s->scache); Py_CLEAR(s->vtypes);
     return 0;
@@ -513,10 +513,14 @@ static void seg_dealloc(Segment *s) {
 }
 
 static int seg_init(Segment *s, PyObject *args, PyObject *kw) {
-    PyObject *merge, *barriers;
-    static char *kwlist[] = {"merge", "barriers", NULL};
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO", kwlist, &merge, &barriers))
+    PyObject *merge, *barriers, *fills = NULL;
+    static char *kwlist[] = {"merge", "barriers", "fills", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO|O", kwlist, &merge, &barriers, &fills))
         return -1;
+    if (!fills) fills = PyFrozenSet_New(NULL);
+    else Py_INCREF(fills);
+    if (!fills) return -1;
+    Py_XSETREF(s->fills, fills);
     Py_XSETREF(s->merge, Py_NewRef(merge));
     Py_XSETREF(s->barriers, Py_NewRef(barriers));
     Py_XSETREF(s->entries, PyList_New(0));
@@ -904,6 +908,38 @@ out:
     return ok;
 }
 
+/* A cached destination's geometry (or a fresh view's, from its cached base):
+ * 1 found (g->geom is a new reference), 0 not, -1 error. */
+static int dst_geo(Segment *s, PyObject *dst, Geo *gp) {
+    PyObject *key = PyLong_FromVoidPtr(dst);
+    if (!key) return -1;
+    Cached *c = (Cached *)PyDict_GetItemWithError(s->dcache, key);
+    Py_DECREF(key);
+    int r;
+    if (c) {
+        if (!c->kind || !cached_valid(c, dst)) return 0;
+        gp->ptr = c->ptr; gp->lo = c->lo; gp->hi = c->hi; gp->rows = c->rows; gp->width = c->width;
+        gp->pitch = c->pitch; gp->nbytes = c->nbytes; gp->kind = c->kind; gp->dtype = c->dtype;
+        gp->itemsize = c->itemsize;
+        gp->ndim = c->ndim;
+        if (c->ndim > 0) memcpy(gp->shape, c->shape, (size_t)c->ndim * sizeof(int64_t));
+        gp->geom = Py_NewRef(c->geom);
+    } else {
+        if (PyErr_Occurred()) return -1;
+        /* a view made afresh (buf[:n]) of a cached buffer */
+        PyObject *vspec = PyDict_GetItemWithError(s->vtypes, (PyObject *)Py_TYPE(dst));
+        if (!vspec) {
+            if (PyErr_Occurred()) return -1;
+            return 0;
+        }
+        Py_INCREF(vspec);
+        r = view_geo(s, dst, vspec, gp);
+        Py_DECREF(vspec);
+        return r;
+    }
+    return 1;
+}
+
 static void seg_open(Segment *s);
 
 /* try_h2d (skip = 0) and try_skip (skip = 1): the same checks; only try_h2d stages */
@@ -917,34 +953,10 @@ static PyObject *h2d_fast(Segment *s, PyObject *site, PyObject *dst, PyObject *s
         if (in < 0) PyErr_Clear();
         return PyLong_FromLong(MISS);
     }
-    PyObject *key = PyLong_FromVoidPtr(dst);
-    if (!key) return NULL;
-    Cached *c = (Cached *)PyDict_GetItemWithError(s->dcache, key);
-    Py_DECREF(key);
     Geo g;
-    int r = 0;
-    if (c) {
-        if (!c->kind || !cached_valid(c, dst)) return PyLong_FromLong(MISS);
-        g.ptr = c->ptr; g.lo = c->lo; g.hi = c->hi; g.rows = c->rows; g.width = c->width;
-        g.pitch = c->pitch; g.nbytes = c->nbytes; g.kind = c->kind; g.dtype = c->dtype;
-        g.itemsize = c->itemsize;
-        g.ndim = c->ndim;
-        if (c->ndim > 0) memcpy(g.shape, c->shape, (size_t)c->ndim * sizeof(int64_t));
-        g.geom = Py_NewRef(c->geom);
-    } else {
-        if (PyErr_Occurred()) return NULL;
-        /* a view made afresh (buf[:n]) of a cached buffer */
-        PyObject *vspec = PyDict_GetItemWithError(s->vtypes, (PyObject *)Py_TYPE(dst));
-        if (!vspec) {
-            if (PyErr_Occurred()) return NULL;
-            return PyLong_FromLong(MISS);
-        }
-        Py_INCREF(vspec);
-        r = view_geo(s, dst, vspec, &g);
-        Py_DECREF(vspec);
-        if (r <= 0) return r < 0 ? NULL : PyLong_FromLong(MISS);
-        r = 0;
-    }
+    int r = dst_geo(s, dst, &g);
+    if (r <= 0) return r < 0 ? NULL : PyLong_FromLong(MISS);
+    r = 0;
     Py_INCREF(g.dtype);
     if (s->seg < 0) seg_open(s);
     if ((PyObject *)Py_TYPE(src) == ndarray_type &&
@@ -971,7 +983,7 @@ static PyObject *h2d_fast(Segment *s, PyObject *site, PyObject *dst, PyObject *s
                                   g.nbytes, g.kind, b.buf, g.geom);
         PyBuffer_Release(&b);
     } else {
-        key = PyLong_FromVoidPtr(src);
+        PyObject *key = PyLong_FromVoidPtr(src);
         if (!key) goto fail;
         Cached *sc = (Cached *)PyDict_GetItemWithError(s->scache, key);
         Py_DECREF(key);
@@ -1004,6 +1016,122 @@ miss:
     return PyLong_FromLong(MISS);
 fail:
     Py_DECREF(g.dtype);
+    Py_DECREF(g.geom);
+    return NULL;
+}
+
+static PyObject *seg_stage(Segment *s, PyObject *args);
+
+static PyObject *seg_try_fill(Segment *s, PyObject *const *args, Py_ssize_t nargs) {
+    /* try_fill(site, dst, start, value, on_drop) -> MISS / STAGED / BARRIER */
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "try_fill(site, dst, start, value, on_drop)");
+        return NULL;
+    }
+    PyObject *site = args[0], *dst = args[1], *on_drop = args[4];
+    if (!s->fast || !s->bound || s->owner != PyThread_get_thread_ident() ||
+        !PyLong_CheckExact(args[2]) || !PyLong_CheckExact(args[3]) ||
+        (on_drop != Py_None && !PyCallable_Check(on_drop)))
+        return PyLong_FromLong(MISS);
+    int in = contains(s->fills, site);
+    if (in != 1) {
+        if (in < 0) PyErr_Clear();
+        return PyLong_FromLong(MISS);
+    }
+    int overflow = 0;
+    long long start = PyLong_AsLongLongAndOverflow(args[2], &overflow);
+    if (overflow || start < 0) return PyLong_FromLong(MISS);
+    Geo g;
+    int r = dst_geo(s, dst, &g);
+    if (r <= 0) return r < 0 ? NULL : PyLong_FromLong(MISS);
+    PyObject *out = NULL;
+    int64_t it = g.itemsize, size = g.nbytes / (it ? it : 1);
+    PyObject *kind = PyObject_GetAttrString(g.dtype, "kind");
+    if (!kind) { PyErr_Clear(); goto miss; }
+    int signed_ = PyUnicode_CompareWithASCIIString(kind, "i") == 0;
+    int unsigned_ = PyUnicode_CompareWithASCIIString(kind, "u") == 0;
+    Py_DECREF(kind);
+    if ((!signed_ && !unsigned_) || (it != 1 && it != 2 && it != 4 && it != 8) || start >= size)
+        goto miss;
+    uint64_t pattern;
+    int bits = (int)(8 * it);
+    if (signed_) {
+        long long v = PyLong_AsLongLongAndOverflow(args[3], &overflow);
+        if (overflow) goto miss;
+        if (bits < 64 && (v < -(1LL << (bits - 1)) || v >= (1LL << (bits - 1)))) goto miss;
+        pattern = (uint64_t)v;
+    } else {
+        if (_PyLong_Sign(args[3]) < 0) goto miss;
+        unsigned long long v = PyLong_AsUnsignedLongLong(args[3]);
+        if (v == (unsigned long long)-1 && PyErr_Occurred()) { PyErr_Clear(); goto miss; }
+        if (bits < 64 && v >= (1ULL << bits)) goto miss;
+        pattern = v;
+    }
+    if (bits < 64) pattern &= (1ULL << bits) - 1;
+    /* _layout.tail_blocks */
+    int64_t per_row = g.width / it, r0 = start / per_row, c0 = start % per_row;
+    PyObject *descs = PyList_New(0), *first = NULL;
+    if (!descs) goto fail;
+    addr_t lo = 0, hi = 0;
+    int nparts = 0;
+    if (c0) {
+        int64_t w = g.width - c0 * it;
+        addr_t p = g.ptr + (addr_t)(r0 * g.pitch + c0 * it);
+        PyObject *d = Py_BuildValue("(KiKLiLLiLi)", (unsigned long long)p, 0,
+                                    (unsigned long long)pattern, (long long)w, 0, (long long)w,
+                                    1LL, KIND_FILL, (long long)it, 0);
+        if (!d || PyList_Append(descs, d) < 0) { Py_XDECREF(d); Py_DECREF(descs); goto fail; }
+        Py_DECREF(d);
+        first = Py_BuildValue("(KLLL)", (unsigned long long)p, 1LL, (long long)w, (long long)w);
+        lo = p;
+        hi = p + (addr_t)w;
+        nparts++;
+        r0++;
+    }
+    if (r0 < g.rows) {
+        int64_t nr = g.rows - r0, pitch = nr > 1 ? g.pitch : g.width;
+        addr_t p = g.ptr + (addr_t)(r0 * g.pitch);
+        PyObject *d = Py_BuildValue("(KiKLiLLiLi)", (unsigned long long)p, 0,
+                                    (unsigned long long)pattern, (long long)pitch, 0,
+                                    (long long)g.width, (long long)nr, KIND_FILL, (long long)it, 0);
+        if (!d || PyList_Append(descs, d) < 0) { Py_XDECREF(d); Py_DECREF(descs); Py_XDECREF(first);
+            goto fail; }
+        Py_DECREF(d);
+        if (!nparts) {
+            first = Py_BuildValue("(KLLL)", (unsigned long long)p, (long long)nr,
+                                  (long long)g.width, (long long)pitch);
+            lo = p;
+        }
+        hi = p + (addr_t)((nr - 1) * pitch + g.width);
+        nparts++;
+    }
+    if (!first) { Py_DECREF(descs); goto fail; }
+    if (s->seg < 0) seg_open(s);
+    PyObject *st = Py_BuildValue("(OOKKOiOi)", site, on_drop, (unsigned long long)lo,
+                                 (unsigned long long)hi, nparts == 1 ? first : Py_None, 0, descs,
+                                 0);
+    Py_DECREF(descs);
+    Py_DECREF(first);
+    if (!st) goto fail;
+    PyObject *res = seg_stage(s, st);
+    Py_DECREF(st);
+    if (!res) goto fail;
+    if (!PyTuple_Check(res)) { Py_DECREF(res); goto miss; } /* FULL or ORDER */
+    Entry *e = (Entry *)PyTuple_GET_ITEM(res, 0);
+    PyObject *pb = PyBytes_FromStringAndSize((const char *)&pattern, (Py_ssize_t)it);
+    PyObject *val = pb ? Py_BuildValue("(LN)", start, pb) : NULL;
+    Py_DECREF(res);
+    if (!val) goto fail;
+    Py_SETREF(e->value, val);
+    in = contains(s->barriers, site);
+    if (in < 0) goto fail;
+    out = PyLong_FromLong(in ? BARRIER : STAGED);
+    Py_DECREF(g.geom);
+    return out;
+miss:
+    Py_DECREF(g.geom);
+    return PyLong_FromLong(MISS);
+fail:
     Py_DECREF(g.geom);
     return NULL;
 }
@@ -1502,6 +1630,8 @@ static PyMethodDef seg_methods[] = {
     {"forget", (PyCFunction)seg_forget, METH_NOARGS, "Clear the caches."},
     {"try_h2d", (PyCFunction)(void (*)(void))seg_try_h2d, METH_FASTCALL,
      "Stage an H2D copy on the fast path, or say MISS."},
+    {"try_fill", (PyCFunction)(void (*)(void))seg_try_fill, METH_FASTCALL,
+     "Stage a fill_tail on the fast path, or say MISS."},
     {"try_skip", (PyCFunction)(void (*)(void))seg_try_skip, METH_FASTCALL,
      "Whether an unchanged H2D copy passes the fast path's checks (then it is skipped)."},
     {"append_h2d", (PyCFunction)(void (*)(void))seg_append_h2d, METH_FASTCALL,

@@ -157,7 +157,8 @@ class DeviceCopier:
         self._checker = None
         # the open segment: staging, ordering, encoding (compiled when built)
         merge_h2d = frozenset(s for s in self._merge if s.direction is _H2D)
-        self._seg = Segment(merge_h2d, self._barriers)
+        merge_fill = frozenset(s for s in self._merge if s.direction is _FILL)
+        self._seg = Segment(merge_h2d, self._barriers, merge_fill)
         self.stats.pending.append(self._seg.fold)  # its merged counts, read with stats.sites
         self._tables = WindowMax(DEMAND_WINDOW)  # largest table per step
         self._try_h2d = self._seg.try_h2d
@@ -548,13 +549,13 @@ class DeviceCopier:
         d = self._dst(site, dst)
         s = self._src(site, src, direction)
         if direction is _H2D and dst is not d and site in self._merge:
-            fp = fingerprint_fn(dst)
-            f = _layout.form(d.ptr, d.shape, d.strides, d.dtype.itemsize) if fp else None
-            # never cached: an empty copy (it stages nothing), a form too wide to stage
-            if f is not None and d.size and pack.fits(*f[1:]):
-                self._seg.remember(dst, fp, f, d.dtype, d.size, d.shape)
-                self._remember_base(site, dst, fp)
-            if type(src) is not np.ndarray and s.host is not None and src is not s:
+            fp = self._remember_dst(site, dst, d)
+            if (
+                fp is not None
+                and type(src) is not np.ndarray
+                and s.host is not None
+                and src is not s
+            ):
                 fp = fingerprint_fn(src)  # a torch CPU tensor: its bytes found by identity
                 if fp is not None:
                     self._seg.remember_src(src, fp, s.host, s.dtype)
@@ -580,6 +581,16 @@ class DeviceCopier:
         if direction is _H2D:
             return self._h2d(site, d, s, on_drop)
         return self._d2d(site, d, s, on_drop)
+
+    def _remember_dst(self, site, dst, d):
+        """Cache a merged destination for the fast paths; returns its fingerprint function."""
+        fp = fingerprint_fn(dst)
+        f = _layout.form(d.ptr, d.shape, d.strides, d.dtype.itemsize) if fp else None
+        # never cached: an empty copy (it stages nothing), a form too wide to stage
+        if f is not None and d.size and pack.fits(*f[1:]):
+            self._seg.remember(dst, fp, f, d.dtype, d.size, d.shape)
+            self._remember_base(site, dst, fp)
+        return fp
 
     def _remember_base(self, site, dst, fp) -> None:
         """Cache the array ``dst`` is a view of, so views made afresh each step are fast."""
@@ -623,9 +634,18 @@ class DeviceCopier:
         bool
             True when issued or staged, False when skipped or the tail is empty.
         """
+        if not unchanged:
+            # the fast path: a merged fill of a known destination, staged by the segment
+            r = self._seg.try_fill(site, dst, start, value, on_drop)
+            if r:
+                if r == BARRIER:
+                    self._after_barrier(site)
+                return True
         self._live(site)
         self._site(site, True)
         d = self._dst(site, dst)
+        if dst is not d and site in self._merge:
+            self._remember_dst(site, dst, d)
         if isinstance(start, bool) or not isinstance(start, (int, np.integer)) or start < 0:
             raise ValueError(f"{site.label}: start must be an int >= 0, got {start!r}")
         start = int(start)

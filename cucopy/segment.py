@@ -26,6 +26,7 @@ from numpy import ndarray as _ndarray
 
 from . import pack
 from ._layout import form as _form
+from ._layout import tail_blocks as _tail_blocks
 from .pack import fits as _fits
 
 __all__ = [
@@ -172,6 +173,8 @@ class PySegment:
         The plan's merged H2D sites (the only ones :meth:`try_h2d` takes).
     barriers : frozenset
         The plan's ``flush_after`` sites.
+    fills : frozenset
+        The plan's merged FILL sites (the only ones :meth:`try_fill` takes).
 
     The flush counts each landed copy as merged under its site; :meth:`fold` hands
     the counts over (``CopyStats`` folds them in when its ``sites`` are read).
@@ -179,6 +182,7 @@ class PySegment:
 
     __slots__ = (
         "merge",
+        "fills",
         "barriers",
         "counts",
         "_fast",
@@ -203,8 +207,9 @@ class PySegment:
         "vtypes",
     )
 
-    def __init__(self, merge, barriers):
+    def __init__(self, merge, barriers, fills=frozenset()):
         self.merge = merge
+        self.fills = fills
         self.barriers = barriers
         self.counts: dict = {}  # site -> merged copies not yet folded
         self._fast = False
@@ -402,6 +407,58 @@ class PySegment:
         self.scache.clear()
 
     # -- staging -------------------------------------------------------------------------
+
+    def try_fill(self, site, dst, start, value, on_drop) -> int:
+        """Stage a ``fill_tail`` on the fast path, or say :data:`MISS`.
+
+        Taken for a merged FILL site (``fills``), a cached destination with a 2-D
+        form and 1, 2, 4 or 8-byte elements of an integer dtype, an int ``start``
+        inside it and an int ``value`` the dtype holds; the tail's descriptors are
+        placed as the general path places them. Anything else, an overlap with
+        staged work and a full slot included, is the general path's.
+
+        Returns
+        -------
+        int
+            :data:`STAGED`, :data:`BARRIER` or :data:`MISS`.
+        """
+        if (
+            not self._fast
+            or self.owner != _get_ident()
+            or site not in self.fills
+            or type(start) is not int
+            or type(value) is not int
+            or (on_drop is not None and not callable(on_drop))
+        ):
+            return MISS
+        ent = self.dcache.get(id(dst))
+        if ent is None:
+            ent = self._view(dst)
+            if ent is None:
+                return MISS
+        elif ent[0]() is not dst or ent[1](dst) != ent[2] or ent[3] is None:
+            return MISS
+        dtype = ent[7]
+        it = dtype.itemsize
+        if dtype.kind not in "iu" or it not in (1, 2, 4, 8) or not 0 <= start < ent[8]:
+            return MISS
+        bits = 8 * it
+        lo_v, hi_v = (-(1 << (bits - 1)), 1 << (bits - 1)) if dtype.kind == "i" else (0, 1 << bits)
+        if not lo_v <= value < hi_v:
+            return MISS
+        pattern = value & ((1 << bits) - 1)
+        parts = _tail_blocks(ent[3], start, it)
+        lo = parts[0][0]
+        last = parts[-1]
+        hi = last[0] + (last[1] - 1) * last[3] + last[2]
+        descs = [(p[0], 0, pattern, p[3], 0, p[2], p[1], pack.KIND_FILL, it, 0) for p in parts]
+        if self.seg < 0 and self.slot is not None:
+            self._open()
+        r = self.stage(site, on_drop, lo, hi, parts[0] if len(parts) == 1 else None, 0, descs)
+        if not isinstance(r, tuple):
+            return MISS  # FULL or ORDER: the general path notes the overflow or flushes
+        r[0].value = (start, pattern.to_bytes(it, "little"))
+        return BARRIER if site in self.barriers else STAGED
 
     def try_skip(self, site, dst, src) -> int:
         """Whether an ``unchanged=True`` H2D copy passes :meth:`try_h2d`'s checks.

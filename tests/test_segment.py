@@ -35,9 +35,10 @@ class Site(cc.CopySite):
     B = cc.H2D
     C = cc.H2D
     PLAIN = cc.H2D
+    TAIL = cc.FILL
 
 
-PLAN = cc.CopyPlan(merge={Site.A, Site.B, Site.C}, flush_after={Site.C})
+PLAN = cc.CopyPlan(merge={Site.A, Site.B, Site.C, Site.TAIL}, flush_after={Site.C})
 
 
 def test_the_compiled_twin_is_the_one_in_use():
@@ -299,4 +300,30 @@ def test_merged_counts_are_folded_whenever_they_are_read(twin):
             c.copy(Site.B, dst[:1], np.zeros(1, np.int32))
     assert held.merged == 3 and c.stats.sites[Site.B].merged == 3
     assert c.stats.as_dict()["sites"]["Site.A"]["merged"] == 3
+    c.close()
+
+
+def test_fills_of_a_known_destination_take_the_fast_path(twin):
+    dev, c = _sim_copier()
+    buf = dev.zeros((16,), np.int16)
+    table = dev.zeros((4, 8), np.int32)
+    with c.step():  # first sight: the general path, which caches the destinations
+        c.fill_tail(Site.TAIL, buf, 3, -1)
+        c.fill_tail(Site.TAIL, table[:, :6], 5, 7)
+    calls = _spy(c)
+    for n in (2, 9, 15):
+        with c.step():
+            assert c.fill_tail(Site.TAIL, buf, n, n) is True
+            assert c.fill_tail(Site.TAIL, table[:, :6], n, -n) is True  # row-strided tail
+        assert dev.to_host(buf).tolist()[n:] == [n] * (16 - n)
+        flat = dev.to_host(table)[:, :6].reshape(-1)
+        assert flat[n:].tolist() == [-n] * (24 - n)
+    assert calls == []
+    # a value the dtype cannot hold, and a tail past the end, go the general way
+    with c.step():
+        with pytest.raises(ValueError, match="does not fit"):
+            c.fill_tail(Site.TAIL, buf, 0, 1 << 20)
+        assert c.fill_tail(Site.TAIL, buf, 16, 0) is False
+    assert calls == [Site.TAIL, Site.TAIL]
+    assert c.stats.sites[Site.TAIL].merged == 8
     c.close()
