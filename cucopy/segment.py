@@ -747,7 +747,14 @@ if not os.environ.get("CUCOPY_PURE_PYTHON"):
     try:
         from . import _segment as _compiled
     except ImportError:
-        pass
+        # pip hides a build's warnings: say it here, once, where a user sees it
+        import logging
+
+        logging.getLogger("cucopy").warning(
+            "cucopy: the compiled staging core (cucopy._segment) is not built; using the "
+            "pure-Python staging path: same results, more host time per copy. Reinstall "
+            "with a C compiler (pip install -e .), or set CUCOPY_PURE_PYTHON=1 to choose it."
+        )
     else:
         Segment = _compiled.Segment
         FastCopy = _compiled.FastCopy

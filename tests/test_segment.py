@@ -327,3 +327,22 @@ def test_fills_of_a_known_destination_take_the_fast_path(twin):
     assert calls == [Site.TAIL, Site.TAIL]
     assert c.stats.sites[Site.TAIL].merged == 8
     c.close()
+
+
+def test_a_missing_extension_is_said_once_and_the_python_twin_runs():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['cucopy._segment'] = None\n"  # as if it was never built
+        "import cucopy, cucopy.segment as s\n"
+        "assert s.IMPLEMENTATION == 'python' and s.Segment is s.PySegment\n"
+        "import cucopy.copier\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "CUCOPY_PURE_PYTHON"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr
+    assert out.stderr.count("compiled staging core (cucopy._segment) is not built") == 1
+    env["CUCOPY_PURE_PYTHON"] = "1"  # chosen on purpose: nothing said
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert out.returncode == 0 and "not built" not in out.stderr
