@@ -408,6 +408,16 @@ class PySegment:
 
     # -- staging -------------------------------------------------------------------------
 
+    def _dst_entry(self, dst):
+        """``dst``'s cache entry, still valid and with a 2-D form, or a fresh view's
+        (``buf[:n]`` of a cached array, see :meth:`_view`); None otherwise."""
+        ent = self.dcache.get(id(dst))
+        if ent is None:
+            return self._view(dst)
+        if ent[0]() is not dst or ent[1](dst) != ent[2] or ent[3] is None:
+            return None
+        return ent
+
     def try_fill(self, site, dst, start, value, on_drop) -> int:
         """Stage a ``fill_tail`` on the fast path, or say :data:`MISS`.
 
@@ -431,12 +441,8 @@ class PySegment:
             or (on_drop is not None and not callable(on_drop))
         ):
             return MISS
-        ent = self.dcache.get(id(dst))
+        ent = self._dst_entry(dst)
         if ent is None:
-            ent = self._view(dst)
-            if ent is None:
-                return MISS
-        elif ent[0]() is not dst or ent[1](dst) != ent[2] or ent[3] is None:
             return MISS
         dtype = ent[7]
         it = dtype.itemsize
@@ -491,12 +497,8 @@ class PySegment:
             or (on_drop is not None and not callable(on_drop))
         ):
             return MISS
-        ent = self.dcache.get(id(dst))
+        ent = self._dst_entry(dst)
         if ent is None:
-            ent = self._view(dst)  # a view made afresh (buf[:n]) of a cached array
-            if ent is None:
-                return MISS
-        elif ent[0]() is not dst or ent[1](dst) != ent[2] or ent[3] is None:
             return MISS
         if self.seg < 0 and self.slot is not None:
             self._open()
