@@ -14,7 +14,7 @@ from .adapters import ArrayInfo, fingerprint_fn, readonly_hint, resolve
 from .errors import CopyError
 from .plan import CopyPlan
 from .ring import DEMAND_WINDOW, StagingRing, WindowMax, free_orphans, orphan
-from .segment import BARRIER, FULL, ORDER, Segment
+from .segment import BARRIER, FULL, ORDER, Segment, fits_shape
 from .segment import FastCopy as _FastCopy
 from .segment import FastRoute as _FastRoute
 from .sites import CopySite, Direction
@@ -567,7 +567,7 @@ class DeviceCopier:
                 f"{site.label}: size mismatch: dst has {n} elements ({d.label}), "
                 f"src has {s.size} ({s.label})"
             )
-        if d.shape != s.shape and len(s.shape) != 1 and not _fits_shape(d.shape, s.shape):
+        if d.shape != s.shape and len(s.shape) != 1 and not fits_shape(d.shape, s.shape):
             raise ValueError(
                 f"{site.label}: shape mismatch: dst {d.label}, src {s.label}; src must "
                 "have dst's shape (leading dimensions of size 1 aside) or be flat"
@@ -1107,22 +1107,6 @@ def _pattern(site, dtype, value) -> bytes:
     if key is not None and len(_patterns) < 4096:
         _patterns[key] = out
     return out
-
-
-def _core_shape(shape) -> tuple:
-    """``shape`` without its leading dimensions of size 1."""
-    i = 0
-    while i < len(shape) and shape[i] == 1:
-        i += 1
-    return tuple(shape[i:])
-
-
-def _fits_shape(dshape, sshape) -> bool:
-    """Whether a source of shape ``sshape`` may fill a destination of ``dshape`` (same
-    element count): the same shape once leading dimensions of size 1 are dropped, or a
-    flat source (one dimension left), whose elements fill ``dst`` in C order."""
-    core = _core_shape(sshape)
-    return len(core) <= 1 or core == _core_shape(dshape)
 
 
 def _same_number(a, b) -> bool:

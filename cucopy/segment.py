@@ -54,16 +54,21 @@ _KIND_H2D, _KIND_H2D_2D, _KIND_D2D = pack.KIND_H2D, pack.KIND_H2D_2D, pack.KIND_
 _DESC, _HEADER, _ALIGN, _BLOCK = pack.DESC_BYTES, pack.HEADER_BYTES, pack.ALIGN, pack.BLOCK_BYTES
 
 
-def _shape_fits(sshape, dshape) -> bool:
-    """The copier's shape rule, as far as the fast path follows it: a flat source (one
-    dimension once leading 1s are dropped) fills any destination, otherwise the shapes
-    must be equal; anything else (leading 1s on one side only) is the general path's."""
-    if len(sshape) <= 1 or sshape == dshape:
-        return True
-    for n in sshape[:-1]:
-        if n != 1:
-            return False
-    return True
+def core_shape(shape) -> tuple:
+    """``shape`` without its leading dimensions of size 1."""
+    i = 0
+    while i < len(shape) and shape[i] == 1:
+        i += 1
+    return tuple(shape[i:])
+
+
+def fits_shape(dshape, sshape) -> bool:
+    """The copier's shape rule: whether a source of shape ``sshape`` may fill a
+    destination of ``dshape`` (same element count): the same shape once leading
+    dimensions of size 1 are dropped, or a flat source (one dimension left), whose
+    elements fill ``dst`` in C order."""
+    core = core_shape(sshape)
+    return len(core) <= 1 or core == core_shape(dshape)
 
 
 class RangeSet:
@@ -299,7 +304,7 @@ class PySegment:
         size : int
             Elements.
         shape : tuple of int
-            Its shape (a source must fit it: :func:`_shape_fits`).
+            Its shape (a source must fit it: :func:`fits_shape`).
         """
         try:  # by weak reference: the cache must not keep a user's device memory alive
             ref = weakref.ref(dst)
@@ -510,7 +515,7 @@ class PySegment:
             dtype, src = s[4], s[3]
         else:
             dtype = src.dtype
-        if dtype != ent[7] or src.size != ent[8] or not _shape_fits(src.shape, ent[11]):
+        if dtype != ent[7] or src.size != ent[8] or not fits_shape(ent[11], src.shape):
             return MISS
         if skip:
             return STAGED
