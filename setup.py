@@ -1,4 +1,7 @@
-"""Build the compiled staging core (``cucopy._segment``) when a C compiler is present.
+"""Build cucopy's compiled twins when a C compiler is present.
+
+``cucopy._segment`` (the staging core) and ``cucopy.backends._cudacall`` (the CUDA
+backend's per-step driver calls).
 
 The extension is optional: without a compiler the install still succeeds, says
 so once, and cucopy runs its pure-Python twin (``cucopy.segment.PySegment``).
@@ -40,7 +43,14 @@ setup(
             "cucopy._segment",
             ["cucopy/_segment.c"],
             extra_compile_args=["-O2", "-std=c11"],
-        )
+        ),
+        # the CUDA backend's per-step driver calls (links nothing: entry points are
+        # passed in as addresses); cuda.py falls back to CuPy's wrappers without it
+        Extension(
+            "cucopy.backends._cudacall",
+            ["cucopy/backends/_cudacall.c"],
+            extra_compile_args=["-O2", "-std=c11"],
+        ),
     ],
     cmdclass={"build_ext": OptionalBuildExt},
 )

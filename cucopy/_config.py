@@ -51,6 +51,17 @@ def _staging() -> str:
     return str(getattr(module, "IMPLEMENTATION", "python"))
 
 
+def _driver_calls() -> str:
+    # the CUDA backend's per-step driver calls: from C, or through CuPy's wrappers
+    if os.environ.get("CUCOPY_PURE_PYTHON"):
+        return "python"
+    try:
+        importlib.import_module("cucopy.backends._cudacall")
+    except ImportError:
+        return "python"
+    return "compiled"
+
+
 def _cuda_version(v: int) -> str:
     return f"{v // 1000}.{v % 1000 // 10}"
 
@@ -100,7 +111,8 @@ def config_dict() -> dict[str, Any]:
     dict
         ``version``; ``default_backend`` (``name`` and ``why``); ``backends`` (each
         backend's availability); ``staging`` (``"python"`` or the compiled
-        twin's name); ``check_mode``; ``python``; ``platform``; ``versions`` (installed
+        twin's name); ``driver_calls`` (``"compiled"`` or ``"python"``: how the CUDA
+        backend launches and queries capture each step); ``check_mode``; ``python``; ``platform``; ``versions`` (installed
         distributions, None when missing); ``cuda`` (driver, runtime and NVRTC versions,
         devices and the kernel cache, when CuPy imports).
     """
@@ -116,6 +128,7 @@ def config_dict() -> dict[str, Any]:
             "cuda": ("available: " if name == "cuda" else "unavailable: ") + why,
         },
         "staging": _staging(),
+        "driver_calls": _driver_calls(),
         "check_mode": bool(check.CHECK_MODE),
         "python": platform.python_version(),
         "platform": platform.platform(terse=True),
@@ -150,6 +163,7 @@ def show_config(file: TextIO | None = None) -> None:
         "backends:",
         *(f"  {k:5} {v}" for k, v in c["backends"].items()),
         f"staging path: {c['staging']}",
+        f"CUDA driver calls: {c['driver_calls']}",
         f"check mode: {'on' if c['check_mode'] else 'off'} (CUCOPY_CHECK=1 at import turns it on)",
         f"python: {c['python']} on {c['platform']}",
         "versions: "

@@ -211,6 +211,8 @@ class StagingRing:
         self._events = [backend.event_create() for _ in range(slots)]
         self._index = -1
         self._demand = WindowMax(DEMAND_WINDOW)
+        self._peak = -1  # the demand _target_size was computed for
+        self._target_size = capacity
         self._want = 0
         self.current: Slot | None = None
         # idle memory kept for reuse until close(): replaced slots by size, and the
@@ -231,7 +233,10 @@ class StagingRing:
 
     def _target(self) -> int:
         peak = self._demand.max()
-        return max(self.capacity, _pow2(pack.align(peak, 4096)))
+        if peak != self._peak:  # the window's largest demand rarely changes
+            self._peak = peak
+            self._target_size = max(self.capacity, _pow2(pack.align(peak, 4096)))
+        return self._target_size
 
     def acquire(self) -> tuple[Slot, bool]:
         """Advance to the next slot, waiting if it is still in flight.

@@ -281,14 +281,57 @@ def test_scatter_matches_reference(be, stream, mode):
     np.testing.assert_array_equal(current_bytes(be, d2d, stream), src_init)
 
 
+@pytest.mark.parametrize("calls", ["compiled", "cupy"])
+def test_carried_scatter_lands_through_either_driver_path(calls, stream):
+    # the compiled driver calls (backends/_cudacall.c) and CuPy's wrappers land the
+    # same bytes; the normal run must use the compiled ones
+    import os
+
+    be = CudaBackend()
+    if calls == "compiled":
+        if os.environ.get("CUCOPY_PURE_PYTHON"):
+            assert be._fast is None
+            pytest.skip("CUCOPY_PURE_PYTHON=1: the compiled driver calls are off")
+        assert be._fast is not None, "cucopy.backends._cudacall is not built"
+    else:
+        be._fast = None
+    dst = device_bytes(be, 4096, stream)
+    seg = be.alloc_pinned(8192)
+    data = np.arange(3000, dtype=np.uint8)
+    ndesc = 1
+    data_offset = pack.align(pack.HEADER_BYTES + ndesc * pack.DESC_BYTES)
+    seg.array[data_offset : data_offset + data.nbytes] = data
+    total = data_offset + data.nbytes
+    descs = [(dst.ptr + 100, data_offset, 0, 3000, 3000, 3000, 1, pack.KIND_H2D, 0, 0)]
+    nblocks = pack.encode(seg.array[:data_offset], descs, data_offset, total)
+    be.scatter(seg.device_ptr, nblocks, stream, True, total, seg.ptr)
+    seg.array[:] = 0  # the launch took its bytes when it was enqueued
+    got = current_bytes(be, dst, stream)
+    want = np.full(4096, 0xA5, np.uint8)
+    want[100:3100] = data
+    np.testing.assert_array_equal(got, want)
+    assert be.is_capturing(stream) is False
+
+
 def test_launch_from_a_fresh_thread(be, stream):
     # a new thread has no CUDA context bound: the driver-API launch must still work
     d = device_bytes(be, 64, stream)
     errors = []
 
+    seg = be.alloc_pinned(4096)
+    data = np.full(32, 0x44, np.uint8)
+    off = pack.align(pack.HEADER_BYTES + pack.DESC_BYTES)
+    seg.array[off : off + 32] = data
+    desc = [(d.ptr + 32, off, 0, 32, 32, 32, 1, pack.KIND_H2D, 0, 0)]
+    nblocks = pack.encode(seg.array[:off], desc, off, off + 32)
+
     def work():
         try:
-            be.fill(d.ptr, 0, 64, 1, 0x33, 1, stream)
+            # first a carried scatter, as a copier's flush issues it (the compiled
+            # driver call, with no context bound yet), then the capture query and a fill
+            be.scatter(seg.device_ptr, nblocks, stream, True, off + 32, seg.ptr)
+            assert not be.is_capturing(stream)
+            be.fill(d.ptr, 0, 32, 1, 0x33, 1, stream)
             be.synchronize(stream)
         except BaseException as e:
             errors.append(e)
@@ -297,7 +340,7 @@ def test_launch_from_a_fresh_thread(be, stream):
     t.start()
     t.join()
     assert not errors, errors
-    assert be.read(d.ptr, 64, stream) == b"\x33" * 64
+    assert be.read(d.ptr, 64, stream) == b"\x33" * 32 + b"\x44" * 32
 
 
 def test_scatter_of_no_blocks_is_a_no_op(be, stream):

@@ -367,6 +367,27 @@ def _driver_entry(name: str):
     return None
 
 
+def _compiled_driver():
+    """The compiled per-step driver calls (``_cudacall.Driver``), or None.
+
+    None when the extension was not built, when ``CUCOPY_PURE_PYTHON`` is set (the
+    CuPy/ctypes paths below are the reference), or when the driver library lacks
+    an entry point.
+    """
+    if os.environ.get("CUCOPY_PURE_PYTHON"):
+        return None
+    try:
+        from . import _cudacall
+    except ImportError:
+        return None
+    launch = _driver_entry("cuLaunchKernel")
+    capturing = _driver_entry("cuStreamIsCapturing")
+    if launch is None or capturing is None:
+        return None
+    addr = ctypes.c_void_p
+    return _cudacall.Driver(ctypes.cast(launch, addr).value, ctypes.cast(capturing, addr).value)
+
+
 def _build_entry(name: str, device: int):
     """Build one entry point of ``scatter.cu`` as a module of its own; returns its ``RawKernel``.
 
@@ -531,6 +552,8 @@ class CudaBackend(Backend):
         self._scratch = _Scratch(device)
         self._threshold = None
         self._kern = None
+        # cuLaunchKernel / cuStreamIsCapturing straight from C (None: CuPy's wrappers)
+        self._fast = _compiled_driver()
         self._hold_lock = threading.Lock()
         self._hold_page = None
         self._hold_free = []
@@ -558,7 +581,10 @@ class CudaBackend(Backend):
     def _get_kernels(self) -> _Kernels:
         k = self._kern
         if k is None:
-            k = self._kern = self._on_device(_kernels, self.device)
+            k = self._on_device(_kernels, self.device)
+            if self._fast is not None:
+                self._fast.kernels(k.scatter, sorted(k.carried.items()), pack.THREADS)
+            self._kern = k
         return k
 
     # -- streams and capture -------------------------------------------------------
@@ -609,6 +635,11 @@ class CudaBackend(Backend):
         """
         if _getDevice() != self.device:
             return self._on_device(self.is_capturing, stream)
+        fast = self._fast
+        if fast is not None:
+            status = fast.is_capturing(stream)  # < 0: failed; CuPy's call reports it
+            if status >= 0:
+                return status != 0
         try:
             return bool(_rt.streamIsCapturing(stream))
         except _RuntimeError as e:
@@ -817,6 +848,15 @@ class CudaBackend(Backend):
                 self.scatter, segment_ptr, nblocks, stream, mapped, carry, host_ptr
             )
         k = self._kern or self._get_kernels()
+        fast = self._fast
+        if fast is not None:
+            # one C call; on any failure (no context bound to this thread yet, a bad
+            # argument) the path below runs the launch again and reports it
+            if carry:
+                if not fast.carried(nblocks, stream, segment_ptr, host_ptr, carry):
+                    return
+            elif not fast.scatter(nblocks, stream, segment_ptr):
+                return
         if carry:
             cap = pack.carry_capacity(carry, k.caps)
             if not cap:

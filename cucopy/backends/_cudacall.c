@@ -1,0 +1,216 @@
+/* cucopy.backends._cudacall: the CUDA backend's two per-step driver calls, made from C.
+ *
+ * The compiled twin of two paths in cuda.py (which stay the reference and the
+ * fallback): the capture query every begin() and flush() makes
+ * (cuStreamIsCapturing) and the scatter launch that carries a segment in its
+ * parameters (cuLaunchKernel with a CU_LAUNCH_PARAM_BUFFER). Through CuPy's
+ * wrappers and ctypes each costs a few Python-to-C hops (the carried launch: the
+ * argument struct's fields, a ctypes.memmove of the segment, CuPy's launchKernel);
+ * here each is one call. The driver's entry points are passed in as addresses
+ * (taken by the backend from the driver library CuPy loaded), so this module links
+ * against nothing and builds without the CUDA toolkit.
+ *
+ * Nothing here maps errors: each call returns the driver's CUresult (or, for the
+ * capture query, the capture status), and the backend turns a failure into its
+ * usual CopyError (or retries through CuPy, whose error it then reports).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+typedef int (*launch_fn)(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
+                         unsigned by, unsigned bz, unsigned shmem, void *stream,
+                         void **params, void **extra);
+typedef int (*capturing_fn)(void *stream, int *status);
+
+/* cuda.h: CU_LAUNCH_PARAM_END, CU_LAUNCH_PARAM_BUFFER_POINTER, CU_LAUNCH_PARAM_BUFFER_SIZE */
+#define PARAM_END ((void *)0x00)
+#define PARAM_BUFFER_POINTER ((void *)0x01)
+#define PARAM_BUFFER_SIZE ((void *)0x02)
+
+#define MAX_CAPS 32
+#define PREFIX 16 /* pack.CARRY_PREFIX: segment address (8), bytes carried (4), reserved (4) */
+
+typedef struct {
+    PyObject_HEAD
+    launch_fn launch;
+    capturing_fn capturing;
+    int ncaps;
+    size_t caps[MAX_CAPS]; /* ascending */
+    void *carried[MAX_CAPS];
+    void *scatter; /* NULL until kernels() */
+    unsigned threads;
+} Driver;
+
+static int Driver_init(Driver *self, PyObject *args, PyObject *kw) {
+    static char *names[] = {"launch", "is_capturing", NULL};
+    unsigned long long launch = 0, capturing = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "KK", names, &launch, &capturing)) return -1;
+    if (!launch || !capturing) {
+        PyErr_SetString(PyExc_ValueError, "Driver: a null entry point");
+        return -1;
+    }
+    self->launch = (launch_fn)(uintptr_t)launch;
+    self->capturing = (capturing_fn)(uintptr_t)capturing;
+    self->ncaps = 0;
+    self->scatter = NULL;
+    self->threads = 0;
+    return 0;
+}
+
+/* kernels(scatter, carried, threads): the kernels to launch, once they are loaded;
+ * carried is a sequence of (capacity, CUfunction), capacities ascending */
+static PyObject *Driver_kernels(Driver *self, PyObject *args) {
+    unsigned long long scatter = 0;
+    PyObject *carried = NULL;
+    unsigned threads = 0;
+    if (!PyArg_ParseTuple(args, "KOI", &scatter, &carried, &threads)) return NULL;
+    if (!scatter || !threads) {
+        PyErr_SetString(PyExc_ValueError, "kernels: a null kernel or block size");
+        return NULL;
+    }
+    PyObject *seq = PySequence_Fast(carried, "kernels: carried must be a sequence of (cap, fn)");
+    if (!seq) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    if (n > MAX_CAPS) {
+        Py_DECREF(seq);
+        PyErr_SetString(PyExc_ValueError, "kernels: too many carried kernels");
+        return NULL;
+    }
+    size_t caps[MAX_CAPS], last = 0;
+    void *fns[MAX_CAPS];
+    for (Py_ssize_t i = 0; i < n; i++) {
+        unsigned long long cap, fn;
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "KK", &cap, &fn)) {
+            Py_DECREF(seq);
+            return NULL;
+        }
+        if (cap <= last || !fn || cap > 32768) {
+            Py_DECREF(seq);
+            PyErr_SetString(PyExc_ValueError,
+                            "kernels: capacities must ascend up to 32 KiB, kernels be non-null");
+            return NULL;
+        }
+        last = caps[i] = (size_t)cap;
+        fns[i] = (void *)(uintptr_t)fn;
+    }
+    Py_DECREF(seq);
+    memcpy(self->caps, caps, sizeof(caps));
+    memcpy(self->carried, fns, sizeof(fns));
+    self->ncaps = (int)n;
+    self->scatter = (void *)(uintptr_t)scatter;
+    self->threads = threads;
+    Py_RETURN_NONE;
+}
+
+/* is_capturing(stream) -> int: the capture status (0 none, 1 active, 2 invalidated),
+ * or -CUresult when the query failed */
+static PyObject *Driver_is_capturing(Driver *self, PyObject *arg) {
+    unsigned long long stream = PyLong_AsUnsignedLongLong(arg);
+    if (stream == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
+    int status = 0;
+    int rc = self->capturing((void *)(uintptr_t)stream, &status);
+    return PyLong_FromLong(rc ? -(long)rc : (long)status);
+}
+
+/* carried(nblocks, stream, seg, host, nbytes) -> CUresult, or -1 when no capacity
+ * holds nbytes. Copies nbytes from host into a parameter buffer after the prefix
+ * {seg, nbytes, 0} and launches the smallest carried kernel that holds them; the
+ * driver takes the buffer during the call. */
+static PyObject *Driver_carried(Driver *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "carried(nblocks, stream, seg, host, nbytes)");
+        return NULL;
+    }
+    unsigned long long v[5];
+    for (int i = 0; i < 5; i++) {
+        v[i] = PyLong_AsUnsignedLongLong(args[i]);
+        if (v[i] == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
+    }
+    size_t nbytes = (size_t)v[4];
+    int k = 0;
+    while (k < self->ncaps && self->caps[k] < nbytes) k++;
+    if (k == self->ncaps || v[0] == 0 || v[0] > 0x7fffffffULL || !self->threads)
+        return PyLong_FromLong(-1);
+    size_t size = PREFIX + self->caps[k];
+    /* 8-byte aligned, as the kernel's parameter struct is */
+    uint64_t buf[(PREFIX + 32768) / 8]; /* capacities are at most 32 KiB (kernels()) */
+    buf[0] = v[2];
+    ((uint32_t *)buf)[2] = (uint32_t)nbytes;
+    ((uint32_t *)buf)[3] = 0;
+    memcpy((char *)buf + PREFIX, (const void *)(uintptr_t)v[3], nbytes);
+    /* the kernel reads only the bytes carried; the rest of the capacity is left as is */
+    void *extra[5] = {PARAM_BUFFER_POINTER, buf, PARAM_BUFFER_SIZE, &size, PARAM_END};
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = self->launch(self->carried[k], (unsigned)v[0], 1, 1, self->threads, 1, 1, 0,
+                      (void *)(uintptr_t)v[1], NULL, extra);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLong(rc);
+}
+
+/* scatter(nblocks, stream, seg) -> CUresult: the kernel that reads the segment at seg */
+static PyObject *Driver_scatter(Driver *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "scatter(nblocks, stream, seg)");
+        return NULL;
+    }
+    unsigned long long v[3];
+    for (int i = 0; i < 3; i++) {
+        v[i] = PyLong_AsUnsignedLongLong(args[i]);
+        if (v[i] == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
+    }
+    if (v[0] == 0 || v[0] > 0x7fffffffULL || !self->scatter) return PyLong_FromLong(-1);
+    uint64_t seg = v[2];
+    void *params[1] = {&seg};
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = self->launch(self->scatter, (unsigned)v[0], 1, 1, self->threads, 1, 1, 0,
+                      (void *)(uintptr_t)v[1], params, NULL);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLong(rc);
+}
+
+static PyMethodDef Driver_methods[] = {
+    {"kernels", (PyCFunction)Driver_kernels, METH_VARARGS,
+     "kernels(scatter, carried, threads): the kernels to launch ((capacity, CUfunction) pairs)."},
+    {"is_capturing", (PyCFunction)Driver_is_capturing, METH_O,
+     "is_capturing(stream) -> capture status (0, 1, 2), or -CUresult on failure."},
+    {"carried", (PyCFunction)(void (*)(void))Driver_carried, METH_FASTCALL,
+     "carried(nblocks, stream, seg, host, nbytes) -> CUresult; -1 when nothing holds nbytes."},
+    {"scatter", (PyCFunction)(void (*)(void))Driver_scatter, METH_FASTCALL,
+     "scatter(nblocks, stream, seg) -> CUresult; -1 for a grid out of range."},
+    {NULL, NULL, 0, NULL}};
+
+static PyTypeObject DriverType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "cucopy.backends._cudacall.Driver",
+    .tp_basicsize = sizeof(Driver),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Driver(launch, is_capturing): the CUDA backend's per-step driver calls, made "
+              "from C (cuLaunchKernel's and cuStreamIsCapturing's addresses).",
+    .tp_methods = Driver_methods,
+    .tp_init = (initproc)Driver_init,
+    .tp_new = PyType_GenericNew,
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "cucopy.backends._cudacall",
+    "The CUDA backend's per-step driver calls, made from C (see cuda.py).", -1, NULL};
+
+PyMODINIT_FUNC PyInit__cudacall(void) {
+    if (PyType_Ready(&DriverType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (!m) return NULL;
+    Py_INCREF(&DriverType);
+    if (PyModule_AddObject(m, "Driver", (PyObject *)&DriverType) < 0) {
+        Py_DECREF(&DriverType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    if (PyModule_AddIntConstant(m, "PREFIX", PREFIX) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
