@@ -304,3 +304,29 @@ def test_planned_jobs_match_what_the_scenarios_report():
             assert p.announced == p.done == suite.planned_jobs(name, ctx, args), name
     finally:
         ctx.close()
+
+
+def test_host_ratio_reports_both_staging_paths(tmp_path):
+    # bench/host_ratio.py: the CI machine's figure of merit, a copy's host cost as a
+    # multiple of an empty call, for the compiled twin and for the pure-Python one
+    out = tmp_path / "ratio.json"
+    env = dict(os.environ, CUCOPY_NO_GPU="1")
+    env.pop("CUCOPY_PURE_PYTHON", None)
+    proc = subprocess.run(
+        [sys.executable, "bench/host_ratio.py", "--n", "8", "--steps", "20", "--json", str(out)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    doc = json.loads(out.read_text())
+    rows = doc["rows"]
+    assert [r["staging"] for r in rows] == ["compiled", "python"]
+    for r in rows:
+        assert r["n"] == 8
+        assert r["empty_us"] > 0 and r["copy_us"] > 0 and r["step_us"] > 0
+        assert r["copy_x"] == pytest.approx(r["copy_us"] / r["empty_us"])
+    assert "compiled" in proc.stdout and "python" in proc.stdout
+    assert doc["environment"]["device"] == "sim"

@@ -5,10 +5,12 @@ Usage:
 
 Question: after the compiled staging core (issue 13), how much of a step's host time is
 per step (``begin``, ``flush``: backend calls) and how much per copy, on the GPU's host?
-Times each phase of a step of N merged copies (torch CUDA destinations when torch sees a
-GPU, else sim arrays; NumPy sources), prints medians, then the top of a cProfile of whole
-steps. Host time only. Answer: ``bench/results/2026-12-01-h200-run23/step_phases.log``
-(the first run with it).
+Times each phase of a step of N merged copies, and the same step as a ``step()``
+block, for torch CUDA destinations from NumPy and from pinned torch sources and for
+CuPy destinations (sim arrays with ``--sim``); prints the host cost of each torch
+attribute a destination's fingerprint reads, then the top of a cProfile of whole
+steps. Host time only. Answers: ``bench/results/2026-12-01-h200-run23/step_phases.log``
+(the first run with it) and every GPU session's since.
 """
 
 from __future__ import annotations
@@ -29,55 +31,71 @@ import numpy as np  # noqa: E402
 import cucopy as cc  # noqa: E402
 
 
-def main(argv=None) -> None:
-    """Print median microseconds per phase and a profile."""
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--n", type=int, default=32)
-    ap.add_argument("--steps", type=int, default=2000)
-    ap.add_argument("--sim", action="store_true")
-    args = ap.parse_args(argv)
-    sites = cc.CopySite("S", [(f"s{i}", cc.H2D) for i in range(args.n)])
+def _variants(args, sites, sizes, srcs):
+    """(label, copier, triples) for each destination/source kind this machine has."""
     plan = cc.CopyPlan(merge=set(sites))
-    rng = np.random.default_rng(0)
-    sizes = rng.choice([4, 16, 64, 256], size=args.n)
-    srcs = [rng.integers(0, 9, int(k), dtype=np.int32) for k in sizes]
     if args.sim:
         from cucopy.backends.sim import SimDevice
 
         dev = SimDevice(policy="eager")
         dsts = [dev.zeros((int(k),), np.int32) for k in sizes]
         c = cc.DeviceCopier(plan, stream=dev.default_stream, device=dev, backend="sim")
-    else:
-        import torch
+        yield "sim dst, numpy src", c, list(zip(sites, dsts, srcs))
+        return
+    import torch
 
-        stream = torch.cuda.Stream()
-        dsts = [torch.zeros(int(k), dtype=torch.int32, device="cuda") for k in sizes]
-        c = cc.DeviceCopier(plan, stream=stream)
+    stream = torch.cuda.Stream()
+    dsts = [torch.zeros(int(k), dtype=torch.int32, device="cuda") for k in sizes]
+    pinned = [torch.from_numpy(x).pin_memory() for x in srcs]
+    c = cc.DeviceCopier(plan, stream=stream)
+    yield "torch dst, numpy src", c, list(zip(sites, dsts, srcs))
+    yield "torch dst, pinned torch src", c, list(zip(sites, dsts, pinned))
+    try:
+        import cupy
+    except ImportError:
+        return
+    cdsts = [cupy.zeros(int(k), dtype=cupy.int32) for k in sizes]
+    yield "cupy dst, numpy src", c, list(zip(sites, cdsts, srcs))
+
+
+def _attributes() -> None:
+    """Host ns of each attribute a torch CUDA destination's fingerprint reads."""
+    import torch
+
+    t = torch.zeros(64, dtype=torch.int32, device="cuda")
+    reps = 200000
+    for expr in ("t", "t.data_ptr()", "t.shape", "t.stride()", "t.dtype", "t._base"):
+        fn = eval(f"lambda: {expr}", {"t": t})  # noqa: S307 - fixed expressions
+        for _ in range(1000):
+            fn()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        print(f"  lambda: {expr:14s} {(time.perf_counter() - t0) / reps * 1e9:7.1f} ns")
+
+
+def main(argv=None) -> None:
+    """Print median microseconds per phase for each variant, then a profile of the first."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--n", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=2000)
+    ap.add_argument("--sim", action="store_true")
+    args = ap.parse_args(argv)
+    sites = list(cc.CopySite("S", [(f"s{i}", cc.H2D) for i in range(args.n)]))
+    rng = np.random.default_rng(0)
+    sizes = rng.choice([4, 16, 64, 256], size=args.n)
+    srcs = [rng.integers(0, 9, int(k), dtype=np.int32) for k in sizes]
     cc.show_config()
-    triples = list(zip(sites, dsts, srcs))
+    profiled = None
+    for label, c, triples in _variants(args, sites, sizes, srcs):
+        _phases(args, label, c, triples)
+        if profiled is None:
+            profiled = (c, triples)
+    if not args.sim:
+        print("torch attribute reads (a lambda call each):")
+        _attributes()
+    c, triples = profiled
     copy = c.copy
-    tb, tc, tf = [], [], []
-    clock = time.perf_counter
-    for i in range(args.steps + 200):
-        t0 = clock()
-        c.begin()
-        t1 = clock()
-        for s, d, x in triples:
-            copy(s, d, x)
-        t2 = clock()
-        c.flush()
-        t3 = clock()
-        if i >= 200:
-            tb.append(t1 - t0)
-            tc.append(t2 - t1)
-            tf.append(t3 - t2)
-    med = statistics.median
-    us = 1e6
-    whole = (med(tb) + med(tc) + med(tf)) * us
-    print(
-        f"N={args.n}: begin {med(tb) * us:.2f} us, copies {med(tc) * us / args.n:.3f} us each, "
-        f"flush {med(tf) * us:.2f} us; whole step {whole:.1f} us = {whole / args.n:.2f} us/copy"
-    )
     pr = cProfile.Profile()
     pr.enable()
     for _ in range(500):
@@ -89,6 +107,39 @@ def main(argv=None) -> None:
     pstats.Stats(pr).sort_stats("tottime").print_stats(25)
     print(c.stats)
     c.close()
+
+
+def _phases(args, label, c, triples) -> None:
+    copy = c.copy
+    tb, tc, tf, tw = [], [], [], []
+    clock = time.perf_counter
+    for i in range(args.steps + 200):
+        t0 = clock()
+        c.begin()
+        t1 = clock()
+        for s, d, x in triples:
+            copy(s, d, x)
+        t2 = clock()
+        c.flush()
+        t3 = clock()
+        with c.step():
+            for s, d, x in triples:
+                copy(s, d, x)
+        t4 = clock()
+        if i >= 200:
+            tb.append(t1 - t0)
+            tc.append(t2 - t1)
+            tf.append(t3 - t2)
+            tw.append(t4 - t3)
+    med = statistics.median
+    us = 1e6
+    whole = (med(tb) + med(tc) + med(tf)) * us
+    print(
+        f"N={args.n} {label}: begin {med(tb) * us:.2f} us, copies {med(tc) * us / args.n:.3f} us "
+        f"each, flush {med(tf) * us:.2f} us; whole step {whole:.1f} us = "
+        f"{whole / args.n:.2f} us/copy; as a step() block {med(tw) * us:.1f} us = "
+        f"{med(tw) * us / args.n:.2f} us/copy"
+    )
 
 
 if __name__ == "__main__":
