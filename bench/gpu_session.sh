@@ -139,6 +139,8 @@ step bench 200 "$PY" -m bench --out "$work/bench/results" ${BENCH_ARGS:-}
 # the host path's pieces (an open question: bench/README.md, probes)
 step hot_path 40 "$PY" bench/probes/hot_path.py --n 32
 step step_phases 60 "$PY" bench/probes/step_phases.py --n 32
+# a copy's host cost as a multiple of an empty call (simulated device, both staging paths)
+step host_ratio 60 "$PY" bench/host_ratio.py --steps 1000 --json "$work/bench/host_ratio.json"
 for ex in examples/*.py; do
     [[ -f "$ex" ]] || continue
     step "example_$(basename "$ex" .py)" 60 env PYTHONPATH=. "$PY" "$ex"
