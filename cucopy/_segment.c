@@ -314,12 +314,17 @@ typedef struct {
     int kind; /* 0: no 2-D form (only a base for views) */
     int ndim; /* the array's shape (-1: unknown: only flat sources match it) */
     int64_t shape[MAXDIM];
+    struct Native *nat; /* validated through native getters (then spec is unused), or NULL */
+    PyObject *ndescr;   /* the handle attribute's descriptor on tp */
+    struct NGeo *nval;  /* the geometry the native getters read when cached */
 } Cached;
 
 static void cached_dealloc(Cached *c) {
     Py_XDECREF(c->ref); Py_XDECREF(c->fp); Py_XDECREF(c->spec); Py_XDECREF(c->fpval);
     Py_XDECREF(c->descrs); Py_XDECREF((PyObject *)c->tp);
     Py_XDECREF(c->dtype); Py_XDECREF(c->geom); Py_XDECREF(c->vdtype);
+    Py_XDECREF(c->ndescr);
+    PyMem_Free(c->nval);
     Py_TYPE(c)->tp_free((PyObject *)c);
 }
 
@@ -393,9 +398,114 @@ static inline PyObject *spec_read(Cached *c, Py_ssize_t i, PyObject *x, PyObject
     return call ? PyObject_CallMethodNoArgs(x, name) : PyObject_GetAttr(x, name);
 }
 
+/* -- native geometry getters ----------------------------------------------------
+ * A fingerprint function may declare ``__cucopy_native__ = (attr, data_ptr, dim,
+ * sizes, strides, dtype)``: reading ``x.attr`` gives an int handle h, and each of
+ * the others is the address of a C function ``int f(void **tensor, T *out)``
+ * (0 on success) called with a pointer to a word holding h. The torch adapter
+ * declares it with ``_cdata`` (the TensorImpl) and torch's stable C shim
+ * (``aoti_torch_get_*``, which take an ``at::Tensor*``: one word holding the
+ * TensorImpl), after checking it against the Python attributes. Then a cached
+ * tensor is validated by one attribute read and five C calls instead of four
+ * Python calls that each build ints and tuples (about 0.3 us a tensor on the GPU's
+ * host). The values compared are the fingerprint's own (address, shape, strides,
+ * dtype), so the twins still agree on every hit and miss. */
+typedef int (*nat_ptr_fn)(void **h, void **out);
+typedef int (*nat_i64_fn)(void **h, int64_t *out);
+typedef int (*nat_i64p_fn)(void **h, int64_t **out);
+typedef int (*nat_i32_fn)(void **h, int32_t *out);
+
+typedef struct Native {
+    PyObject *fp;   /* the fingerprint function that declared it */
+    PyObject *attr; /* the handle attribute's name */
+    nat_ptr_fn data_ptr;
+    nat_i64_fn dim;
+    nat_i64p_fn sizes, strides;
+    nat_i32_fn dtype;
+} Native;
+
+typedef struct NGeo {
+    void *ptr;
+    int64_t ndim;
+    int32_t dtype;
+    int64_t sizes[MAXDIM], strides[MAXDIM];
+} NGeo;
+
+#define MAX_NATIVES 8
+static Native natives[MAX_NATIVES];
+static int nnatives;
+static PyObject *s_native;
+
+/* the native getters fp declares (parsed once, kept for the process), or NULL */
+static Native *native_for(PyObject *fp) {
+    for (int i = 0; i < nnatives; i++)
+        if (natives[i].fp == fp) return natives[i].attr ? &natives[i] : NULL;
+    if (nnatives == MAX_NATIVES) return NULL;
+    Native *n = &natives[nnatives];
+    memset(n, 0, sizeof(*n));
+    PyObject *t = PyObject_GetAttr(fp, s_native);
+    if (!t) PyErr_Clear();
+    else if (PyTuple_Check(t) && PyTuple_GET_SIZE(t) == 6 &&
+             PyUnicode_Check(PyTuple_GET_ITEM(t, 0))) {
+        void *f[5];
+        int ok = 1;
+        for (int i = 0; i < 5; i++) {
+            f[i] = PyLong_AsVoidPtr(PyTuple_GET_ITEM(t, i + 1));
+            if (!f[i]) { PyErr_Clear(); ok = 0; }
+        }
+        if (ok) {
+            n->attr = Py_NewRef(PyTuple_GET_ITEM(t, 0));
+            n->data_ptr = (nat_ptr_fn)f[0];
+            n->dim = (nat_i64_fn)f[1];
+            n->sizes = (nat_i64p_fn)f[2];
+            n->strides = (nat_i64p_fn)f[3];
+            n->dtype = (nat_i32_fn)f[4];
+        }
+    }
+    Py_XDECREF(t);
+    n->fp = Py_NewRef(fp); /* kept: the entry is keyed by its identity */
+    nnatives++;
+    return n->attr ? n : NULL;
+}
+
+/* the handle attribute's data descriptor on tp (new reference), or NULL */
+static PyObject *native_descr(Native *n, PyTypeObject *tp) {
+    PyObject *d = _PyType_Lookup(tp, n->attr); /* borrowed */
+    if (!d || !Py_TYPE(d)->tp_descr_get || !Py_TYPE(d)->tp_descr_set) return NULL;
+    return Py_NewRef(d);
+}
+
+/* x's geometry through the native getters: 1 read, 0 not (errors cleared) */
+static int native_read(Native *n, PyObject *descr, PyTypeObject *tp, PyObject *x, NGeo *g) {
+    PyObject *h = Py_TYPE(descr)->tp_descr_get(descr, x, (PyObject *)tp);
+    if (!h) { PyErr_Clear(); return 0; }
+    void *impl = PyLong_AsVoidPtr(h);
+    Py_DECREF(h);
+    if (!impl) { PyErr_Clear(); return 0; }
+    void *word = impl; /* an at::Tensor is one word: its TensorImpl */
+    int64_t *sz, *st;
+    if (n->data_ptr(&word, &g->ptr) || n->dim(&word, &g->ndim) || g->ndim < 0 ||
+        g->ndim > MAXDIM || n->dtype(&word, &g->dtype) || n->sizes(&word, &sz) ||
+        n->strides(&word, &st))
+        return 0;
+    memcpy(g->sizes, sz, (size_t)g->ndim * sizeof(int64_t));
+    memcpy(g->strides, st, (size_t)g->ndim * sizeof(int64_t));
+    return 1;
+}
+
+static int ngeo_equal(const NGeo *a, const NGeo *b) {
+    return a->ptr == b->ptr && a->ndim == b->ndim && a->dtype == b->dtype &&
+           !memcmp(a->sizes, b->sizes, (size_t)a->ndim * sizeof(int64_t)) &&
+           !memcmp(a->strides, b->strides, (size_t)a->ndim * sizeof(int64_t));
+}
+
 /* 1 when x's fingerprint still matches, 0 when not (errors cleared: a miss) */
 static int cached_valid(Cached *c, PyObject *x) {
     if (!weak_is(c->ref, x)) return 0;
+    if (c->nat && Py_TYPE(x) == c->tp) {
+        NGeo now;
+        return native_read(c->nat, c->ndescr, c->tp, x, &now) && ngeo_equal(&now, c->nval);
+    }
     if (c->spec) {
         Py_ssize_t n = PyTuple_GET_SIZE(c->spec);
         for (Py_ssize_t i = 0; i < n; i++) {
@@ -433,7 +543,17 @@ static Cached *cached_new(PyObject *x, PyObject *fp, PyObject *dtype) {
     c->vdtype = NULL;
     c->kind = 0;
     c->ndim = -1;
+    c->nat = NULL;
+    c->ndescr = NULL;
+    c->nval = NULL;
     c->dtype = Py_NewRef(dtype);
+    Native *nat = native_for(fp);
+    if (nat) {
+        c->ndescr = native_descr(nat, Py_TYPE(x));
+        c->nval = c->ndescr ? PyMem_Malloc(sizeof(NGeo)) : NULL;
+        if (c->nval && native_read(nat, c->ndescr, Py_TYPE(x), x, c->nval))
+            c->nat = nat; /* else the spec below validates it */
+    }
     PyObject *spec = PyObject_GetAttr(fp, s_spec);
     if (spec && PyTuple_Check(spec)) {
         c->spec = spec;
@@ -446,6 +566,7 @@ static Cached *cached_new(PyObject *x, PyObject *fp, PyObject *dtype) {
         c->fpval = PyObject_CallOneArg(fp, x);
     }
     if (!c->fpval) { Py_DECREF(c); return NULL; }
+    if (c->nat && !c->tp) c->tp = (PyTypeObject *)Py_NewRef((PyObject *)Py_TYPE(x));
     return c;
 }
 
@@ -859,11 +980,22 @@ static int view_geo(Segment *s, PyObject *dst, PyObject *vspec, Geo *g) {
     Py_DECREF(key);
     int ok = 0;
     PyObject *dt = NULL, *p = NULL, *shape = NULL, *strides = NULL;
+    int64_t sh[MAXDIM], st[MAXDIM];
+    int nd;
+    addr_t ptr;
+    int in_elements = PyTuple_GET_ITEM(vspec, 6) == Py_True;
     if (!b || !weak_is(b->ref, base) || !b->vdtype) goto out;
-    dt = PyObject_GetAttr(dst, PyTuple_GET_ITEM(vspec, 7));
-    if (!dt) goto out;
-    int eq = dt == b->vdtype ? 1 : PyObject_RichCompareBool(dt, b->vdtype, Py_EQ);
-    if (eq != 1) goto out;
+    NGeo ng;
+    int native = b->nat && Py_TYPE(dst) == b->tp;
+    if (native) { /* address, shape, strides and dtype from C (see native_read) */
+        if (!native_read(b->nat, b->ndescr, b->tp, dst, &ng) || ng.dtype != b->nval->dtype)
+            goto out;
+    } else {
+        dt = PyObject_GetAttr(dst, PyTuple_GET_ITEM(vspec, 7));
+        if (!dt) goto out;
+        int eq = dt == b->vdtype ? 1 : PyObject_RichCompareBool(dt, b->vdtype, Py_EQ);
+        if (eq != 1) goto out;
+    }
     PyObject *flags = PyTuple_GET_ITEM(vspec, 8);
     for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(flags); i++) {
         PyObject *v = PyObject_CallMethodNoArgs(dst, PyTuple_GET_ITEM(flags, i));
@@ -871,22 +1003,30 @@ static int view_geo(Segment *s, PyObject *dst, PyObject *vspec, Geo *g) {
         Py_DECREF(v);
         if (v != Py_False) goto out;
     }
-    p = get(dst, PyTuple_GET_ITEM(vspec, 1), PyTuple_GET_ITEM(vspec, 2) == Py_True);
-    shape = p ? PyObject_GetAttr(dst, PyTuple_GET_ITEM(vspec, 3)) : NULL;
-    strides = shape ? get(dst, PyTuple_GET_ITEM(vspec, 4), PyTuple_GET_ITEM(vspec, 5) == Py_True)
-                    : NULL;
-    if (!strides) goto out;
-    addr_t ptr = PyLong_AsUnsignedLongLong(p);
-    if (PyErr_Occurred()) goto out;
-    int64_t sh[MAXDIM], st[MAXDIM];
-    int nd = ints(shape, sh, MAXDIM), ns = ints(strides, st, MAXDIM);
-    if (nd < 0 || ns != nd) goto out;
+    if (native) {
+        nd = (int)ng.ndim;
+        memcpy(sh, ng.sizes, (size_t)nd * sizeof(int64_t));
+        memcpy(st, ng.strides, (size_t)nd * sizeof(int64_t));
+        ptr = (addr_t)(uintptr_t)ng.ptr;
+    } else {
+        p = get(dst, PyTuple_GET_ITEM(vspec, 1), PyTuple_GET_ITEM(vspec, 2) == Py_True);
+        shape = p ? PyObject_GetAttr(dst, PyTuple_GET_ITEM(vspec, 3)) : NULL;
+        strides = shape ? get(dst, PyTuple_GET_ITEM(vspec, 4),
+                              PyTuple_GET_ITEM(vspec, 5) == Py_True)
+                        : NULL;
+        if (!strides) goto out;
+        ptr = PyLong_AsUnsignedLongLong(p);
+        if (PyErr_Occurred()) goto out;
+        nd = ints(shape, sh, MAXDIM);
+        int ns = ints(strides, st, MAXDIM);
+        if (nd < 0 || ns != nd) goto out;
+    }
     g->ndim = nd;
     memcpy(g->shape, sh, (size_t)nd * sizeof(int64_t));
     int64_t numel = 1;
     for (int i = 0; i < nd; i++) {
         numel *= sh[i];
-        if (PyTuple_GET_ITEM(vspec, 6) == Py_True) st[i] *= b->itemsize;
+        if (in_elements) st[i] *= b->itemsize;
     }
     if (numel <= 0) goto out;
     if (!form(sh, st, nd, b->itemsize, &g->rows, &g->width, &g->pitch)) goto out;
@@ -1893,6 +2033,8 @@ PyMODINIT_FUNC PyInit__segment(void) {
     s_dtype = PyUnicode_InternFromString("dtype");
     s_spec = PyUnicode_InternFromString("__cucopy_spec__");
     s_view = PyUnicode_InternFromString("__cucopy_view__");
+    s_native = PyUnicode_InternFromString("__cucopy_native__");
+    if (!s_native) return NULL;
     if (!s_dtype || !s_spec || !s_view) return NULL;
     PyObject *m = PyModule_Create(&moduledef);
     if (!m) return NULL;

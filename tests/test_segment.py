@@ -190,6 +190,66 @@ def test_torch_cpu_sources_take_the_fast_path(twin):
     c.close()
 
 
+@pytest.mark.parametrize(
+    "change",
+    ["resize_", "set_", "as_strided_", "transpose_", "data_same_dtype", "data_other_dtype"],
+)
+def test_a_cached_torch_tensor_whose_geometry_changed_in_place_is_read_afresh(twin, change):
+    # the fast path validates a cached tensor by address, shape, strides and dtype
+    # (in C through torch's native getters, __cucopy_native__, where declared): a
+    # change made in place, the Python object the same, must not reuse the old geometry
+    torch = pytest.importorskip("torch")
+    dev, c = _sim_copier()
+    dst = dev.zeros((2, 3), np.int32)
+    src = torch.arange(6, dtype=torch.int32).reshape(2, 3)
+    with c.step():
+        c.copy(Site.A, dst, src)
+    calls = _spy(c)
+    with c.step():
+        c.copy(Site.A, dst, src)
+    assert calls == []  # cached
+    other = torch.arange(100, 112, dtype=torch.int32)
+    want = None
+    if change == "resize_":
+        src.resize_(6)  # same storage and numel, flat now: a flat source fits any shape
+        want = list(range(6))
+    elif change == "set_":
+        src.set_(other.untyped_storage(), 2, (2, 3), (3, 1))  # other bytes, same shape
+        want = list(range(102, 108))
+    elif change == "as_strided_":
+        src.as_strided_((2, 3), (1, 2))  # same address and shape, other strides
+        want = [0, 2, 4, 1, 3, 5]
+    elif change == "transpose_":
+        src.transpose_(0, 1)  # (3, 2): the shape rule refuses it into (2, 3)
+    elif change == "data_same_dtype":
+        src.data = torch.arange(200, 206, dtype=torch.int32).reshape(2, 3)
+        want = list(range(200, 206))
+    else:
+        src.data = torch.zeros(2, 3, dtype=torch.float32)
+    if want is None:
+        with pytest.raises((TypeError, ValueError)):
+            with c.step():
+                c.copy(Site.A, dst, src)
+    else:
+        with c.step():
+            c.copy(Site.A, dst, src)
+        assert dev.to_host(dst).reshape(-1).tolist() == want
+    assert calls and set(calls) == {Site.A}  # the general path looked again
+    c.close()
+
+
+def test_torch_declares_native_getters_that_agree_with_its_attributes():
+    # the compiled segment's cheap validation; its self-check ran at import
+    torch = pytest.importorskip("torch")
+    from cucopy.adapters import torch as torch_adapter
+
+    native = getattr(torch_adapter.fingerprint, "__cucopy_native__", None)
+    assert native is not None, "torch's aoti_torch_get_* getters were not usable"
+    assert native[0] == "_cdata" and len(native) == 6 and all(native[1:])
+    assert torch_adapter._native_getters() == native
+    assert torch.__version__  # the library they came from is the one imported
+
+
 def test_counts_survive_a_stats_reset(twin):
     dev, c = _sim_copier()
     dst = dev.zeros((4,), np.int32)

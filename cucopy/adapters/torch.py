@@ -18,6 +18,10 @@ values), and tensors on devices other than CPU and CUDA.
 
 from __future__ import annotations
 
+import ctypes
+import os
+import sys
+
 import numpy as np
 import torch
 
@@ -244,3 +248,69 @@ fingerprint.__cucopy_view__ = (
     "dtype",
     ("is_neg", "is_conj"),
 )
+
+
+# Native getters for the compiled staging core (cucopy/_segment.c, ``native_read``):
+# torch's stable C shim (``aoti_torch_get_*``, which take an ``at::Tensor*``: one
+# word holding the TensorImpl that ``_cdata`` names) reads a tensor's address,
+# shape, strides and dtype without building a Python int or tuple. Declared only
+# when the library exports them and they agree with the Python attributes on a few
+# tensors here; otherwise the segment reads ``__cucopy_spec__``, as the pure-Python
+# twin always does.
+_NATIVE_NAMES = (
+    "aoti_torch_get_data_ptr",
+    "aoti_torch_get_dim",
+    "aoti_torch_get_sizes",
+    "aoti_torch_get_strides",
+    "aoti_torch_get_dtype",
+)
+
+
+def _native_getters():
+    """``("_cdata", *addresses)`` of the shim functions, checked; None when unusable."""
+    lib_dir = os.path.join(os.path.dirname(torch.__file__), "lib")
+    names = {"win32": "torch_cpu.dll", "darwin": "libtorch_cpu.dylib"}
+    path = os.path.join(lib_dir, names.get(sys.platform, "libtorch_cpu.so"))
+    try:
+        lib = ctypes.CDLL(path)
+        fns = [getattr(lib, name) for name in _NATIVE_NAMES]
+        tensors = [
+            torch.zeros(3, dtype=torch.int32),
+            torch.arange(60, dtype=torch.float64).reshape(3, 4, 5)[1:, ::2, 1:4],
+            torch.zeros((), dtype=torch.int16),
+            torch.zeros(2, 3, dtype=torch.uint8).t(),
+        ]
+        seen = set()
+        for t in tensors:
+            word = ctypes.c_void_p(t._cdata)
+            h = ctypes.byref(word)
+            ptr, dim, dtype = ctypes.c_void_p(), ctypes.c_int64(), ctypes.c_int32()
+            sizes = ctypes.POINTER(ctypes.c_int64)()
+            strides = ctypes.POINTER(ctypes.c_int64)()
+            rcs = (
+                fns[0](h, ctypes.byref(ptr)),
+                fns[1](h, ctypes.byref(dim)),
+                fns[2](h, ctypes.byref(sizes)),
+                fns[3](h, ctypes.byref(strides)),
+                fns[4](h, ctypes.byref(dtype)),
+            )
+            n = dim.value
+            if (
+                any(rcs)
+                or (ptr.value or 0) != t.data_ptr()
+                or n != t.dim()
+                or tuple(sizes[i] for i in range(n)) != tuple(t.shape)
+                or tuple(strides[i] for i in range(n)) != t.stride()
+            ):
+                return None
+            seen.add((t.dtype, dtype.value))
+        if len({d for _, d in seen}) != len({t for t, _ in seen}):
+            return None  # the dtype codes must tell the dtypes apart
+        return ("_cdata", *(ctypes.cast(f, ctypes.c_void_p).value for f in fns))
+    except Exception:  # any surprise: the Python attributes serve
+        return None
+
+
+_native = _native_getters()
+if _native is not None:
+    fingerprint.__cucopy_native__ = _native
