@@ -92,3 +92,12 @@ def test_readme_results_come_from_the_latest_stored_run():
     latest = runs[-1][1]
     assert f"bench/results/{latest}/" in results
     assert results.count("\n|") >= 12  # one table: a header, a rule, and a row per contender
+    # the table is the run's own numbers: what bench/readme_table.py prints from its JSON
+    import sys
+
+    sys.path.insert(0, str(ROOT))
+    from bench import readme_table
+
+    run = readme_table.latest_run()
+    assert run.name == latest
+    assert readme_table.table(run) in results
