@@ -241,10 +241,30 @@ static void entry_dealloc(Entry *e) {
     Py_TYPE(e)->tp_free((PyObject *)e);
 }
 
+/* Entries no one else holds any more, cleared, kept for the next steps: a copy
+ * allocates no GC-tracked object on the fast path, so its steps do not set off the
+ * garbage collector's young-generation passes (one every ~700 allocations, which
+ * cost several percent of a step once a framework's objects are about). */
+#define ENTRY_POOL_MAX 4096
+static Entry *entry_pool[ENTRY_POOL_MAX];
+static int entry_npool;
+
+static int entry_clear(Entry *e);
+
+/* e: a reference the caller owns and the only one left (refcount 1) */
+static void entry_recycle(Entry *e) {
+    entry_clear(e);
+    if (entry_npool == ENTRY_POOL_MAX) { Py_DECREF(e); return; }
+    entry_pool[entry_npool++] = e; /* still GC-tracked; all its fields NULL */
+}
+
 /* site, on_drop (a callable or None: wrapped in a list), lo, hi, index (stolen) */
 static Entry *entry_new(PyObject *site, PyObject *on_drop, addr_t lo, addr_t hi,
                         PyObject *index) {
-    Entry *e = PyObject_GC_New(Entry, &EntryType);
+    Entry *e;
+    int pooled = entry_npool > 0;
+    if (pooled) e = entry_pool[--entry_npool];
+    else e = PyObject_GC_New(Entry, &EntryType);
     if (!e) { Py_DECREF(index); return NULL; }
     Py_INCREF(site);
     e->site = site;
@@ -264,7 +284,7 @@ static Entry *entry_new(PyObject *site, PyObject *on_drop, addr_t lo, addr_t hi,
     e->ssnap = Py_NewRef(Py_None);
     e->value = Py_NewRef(Py_None);
     e->lo = lo; e->hi = hi; e->slo = e->shi = 0;
-    PyObject_GC_Track(e);
+    if (!pooled) PyObject_GC_Track(e);
     return e;
 }
 
@@ -1691,6 +1711,15 @@ static PyObject *seg_finish(Segment *s, PyObject *unused) {
         while (j < n && ((Entry *)PyList_GET_ITEM(entries, j))->site == site) j++;
         err = count_merged(s, site, j - i) < 0;
         i = j;
+    }
+    if (Py_REFCNT(entries) == 1) { /* the list is ours alone: recycle what only it holds */
+        for (Py_ssize_t i = 0; i < n; i++) {
+            Entry *x = (Entry *)PyList_GET_ITEM(entries, i);
+            if (Py_REFCNT(x) == 1 && Py_IS_TYPE(x, &EntryType)) {
+                PyList_SET_ITEM(entries, i, Py_NewRef(Py_None));
+                entry_recycle(x);
+            }
+        }
     }
     Py_DECREF(entries);
     if (err) return NULL;

@@ -1095,6 +1095,7 @@ class DeviceCopier:
         st.segments += 1
         st.modes[how] += 1
         st.bytes_staged += total
+        del entries  # the segment recycles entries no one else holds (compiled twin)
         seg.finish()
 
 

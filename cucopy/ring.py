@@ -259,7 +259,7 @@ class StagingRing:
             self.backend.event_synchronize(event)
             waited = True
         target = self._target()
-        if slot is not None:
+        if slot is not None and (slot.temps or slot.frees):
             # idle now (its event completed above): its step's temporaries are spare
             self._keep_temps(slot)
         if slot is None or slot.size < target or slot.size > 2 * target:

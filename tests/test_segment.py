@@ -406,3 +406,30 @@ def test_a_missing_extension_is_said_once_and_the_python_twin_runs():
     env["CUCOPY_PURE_PYTHON"] = "1"  # chosen on purpose: nothing said
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert out.returncode == 0 and "not built" not in out.stderr
+
+
+def test_entries_someone_holds_are_not_recycled_by_the_next_steps(twin):
+    # the compiled twin reuses the entries of a landed segment that nothing else
+    # holds; a list or an entry kept by the caller must keep what it said
+    dev, c = _sim_copier()
+    dsts = [dev.zeros((4,), np.int32) for _ in range(3)]
+    with c.step():
+        for d in dsts:
+            c.copy(Site.A, d, np.arange(4, dtype=np.int32))
+        held_list = c._seg.entries
+        held_one = held_list[1]
+    for k in range(3):  # later steps take entries from the pool
+        with c.step():
+            for d in dsts:
+                c.copy(Site.B, d, np.full(4, k, np.int32))
+    assert [e.site for e in held_list] == [Site.A] * 3
+    assert held_one.site is Site.A and held_one.on_drop is None
+    with c.step():
+        c.copy(Site.A, dsts[0], np.arange(4, dtype=np.int32))
+        one = c._seg.entries[0]
+    with c.step():
+        c.copy(Site.C, dsts[0], np.arange(4, dtype=np.int32))  # a barrier site
+    assert one.site is Site.A
+    assert dev.to_host(dsts[0]).tolist() == [0, 1, 2, 3]
+    assert c.stats.sites[Site.B].merged == 9
+    c.close()
