@@ -433,3 +433,31 @@ def test_entries_someone_holds_are_not_recycled_by_the_next_steps(twin):
     assert dev.to_host(dsts[0]).tolist() == [0, 1, 2, 3]
     assert c.stats.sites[Site.B].merged == 9
     c.close()
+
+
+def test_more_live_arrays_than_the_front_cache_holds_stay_on_the_fast_path(twin):
+    # the compiled twin keeps a direct-mapped table (512 slots) in front of its
+    # dict caches: arrays that share a slot evict each other and are found again in
+    # the dict; every copy lands, none takes the general path once seen
+    dev = SimDevice(policy="lazy")
+    sites = cc.CopySite("Many", [(f"s{i}", cc.H2D) for i in range(4)])
+    c = cc.DeviceCopier(
+        cc.CopyPlan(merge=set(sites)), stream=dev.default_stream, device=dev, backend="sim"
+    )
+    dsts = [dev.zeros((2,), np.int32) for _ in range(1200)]
+    srcs = [np.array([i, -i], np.int32) for i in range(1200)]
+    site = next(iter(sites))
+    with c.step():
+        for d, x in zip(dsts, srcs):
+            c.copy(site, d, x)
+    calls = _spy(c)
+    for k in range(2):
+        with c.step():
+            for i, (d, x) in enumerate(zip(dsts, srcs)):
+                x[:] = (i + k, k)
+                c.copy(site, d, x)
+        for i in (0, 1, 511, 512, 513, 1199):
+            assert dev.to_host(dsts[i]).tolist() == [i + k, k]
+    assert calls == []
+    assert all(dev.to_host(d).tolist() == [i + 1, 1] for i, d in enumerate(dsts))
+    c.close()
