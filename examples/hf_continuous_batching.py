@@ -252,6 +252,18 @@ class _Buffers:
 # -- the seam ----------------------------------------------------------------------------------
 
 
+def _after_reset(stream) -> None:
+    """Order ``stream`` after the engine's reset of the device buffers.
+
+    ``ContinuousBatchingIOs.reset`` fills them on the thread's current stream, and the
+    engine's streams are non-blocking: without this, a routed step's copies on ``stream``
+    could land before those fills (the unmodified sync step writes on the current stream
+    itself, so it is ordered). Device-side only: no host wait.
+    """
+    if stream is not None and torch.cuda.is_available():
+        stream.wait_stream(torch.cuda.current_stream(stream.device))
+
+
 class RoutedIOPair(HostDeviceIOPair):
     """An engine ``HostDeviceIOPair`` whose H2D transfer goes through cucopy (async mode).
 
@@ -273,6 +285,11 @@ class RoutedIOPair(HostDeviceIOPair):
             )
         copy_accumulators(self.host_io, self.device_io)
         route.upload(bufs, carry_over=True)
+
+    def reset(self) -> None:
+        """The engine's reset, then the copier's stream ordered after it."""
+        super().reset()
+        _after_reset(self._cucopy_route[0].stream)
 
 
 class RoutedIOs(ContinuousBatchingIOs):
@@ -296,6 +313,7 @@ class RoutedIOs(ContinuousBatchingIOs):
         """Reset the device buffers (the engine's own reset) and the host twin."""
         super().reset()
         self._cucopy_route[1].host.reset()
+        _after_reset(self._cucopy_route[0].stream)
 
 
 class CucopyRoute:
