@@ -45,7 +45,7 @@ generation steps, and the time in the upload method), wall time per run,
 ``--json PATH`` writes the environment, the configuration, every raw timing and the
 stats.
 
-``--cpu`` (no GPU; sync mode only) drives the same seam with :class:`HostCopier`, a
+``--cpu`` (no GPU; sync mode only) drives the same seam with :class:`PlainCopier`, a
 stand-in that runs each call at once on CPU tensors: it checks the routing and the site
 map, not cucopy's merging (CI runs it; the CUDA path needs a GPU).
 """
@@ -324,7 +324,7 @@ class CucopyRoute:
     processor : ContinuousBatchProcessor
         The engine's batch processor (``manager.batch_processor`` once the manager has
         been warmed up or run).
-    copier : DeviceCopier or HostCopier, optional
+    copier : DeviceCopier or PlainCopier, optional
         None makes a ``cc.DeviceCopier(PLAN)`` on the engine's stream: ``h2d_stream``
         (async) or the compute stream (sync).
     raw_min_bytes : int
@@ -357,7 +357,7 @@ class CucopyRoute:
         if copier is None:
             if self.stream is None:
                 raise ValueError(
-                    "CucopyRoute: the engine runs on the CPU; pass copier=HostCopier()"
+                    "CucopyRoute: the engine runs on the CPU; pass copier=PlainCopier()"
                 )
             copier = cc.DeviceCopier(
                 PLAN, stream=self.stream, device=self.stream.device.index, **copier_options
@@ -524,37 +524,60 @@ class _HostBackend:
             ctypes.memmove(dst + r * dpitch, src + r * spitch, width)
 
 
-class HostCopier:
-    """Stands in for a ``DeviceCopier`` where the engine runs on the CPU (``--cpu``, tests).
+class PlainCopier:
+    """Stands in for a ``DeviceCopier``: each call issued at once as a plain torch op.
 
-    Runs every call at once on CPU tensors, in call order, and records it in
-    :attr:`calls` as ``(site, dst)``. It checks the seam and the site map, not cucopy:
-    nothing is merged or snapshotted.
+    Where the engine runs on the CPU (``--cpu``, the tests) it checks the seam and the
+    site map, not cucopy: nothing is merged or snapshotted, and :attr:`calls` records
+    ``(site, dst)``. On CUDA (``stream`` given, ``backend`` a cucopy backend for the raw
+    mask copies) it is the ``twin_plain`` variant: the routed sync step's host twin,
+    uploaded region by region with ``copy_(non_blocking=True)`` and ``fill_`` on the
+    engine's stream, so the twin's share of a gain is told apart from cucopy's.
+
+    Parameters
+    ----------
+    stream : torch.cuda.Stream, optional
+        Where the ops go (None: the engine runs on the CPU).
+    backend : optional
+        What the route's raw copies use (``copy2d``, ``is_pinned``); None: host memory.
+    record : bool
+        Keep every call in :attr:`calls`.
     """
 
     plan = PLAN
 
-    def __init__(self):
-        self.backend = _HostBackend()
-        self.stream = None
+    def __init__(self, stream=None, backend=None, record: bool = True):
+        self.backend = backend if backend is not None else _HostBackend()
+        self._torch_stream = stream
+        self.stream = stream.cuda_stream if stream is not None else None
+        self.record = record
         self.calls: list = []
         self.steps = 0
+        self._counts: Counter = Counter()
 
     @contextlib.contextmanager
     def step(self):
-        """One step (nothing to flush)."""
+        """One step: the ops go on the stream (nothing to flush)."""
         self.steps += 1
-        yield
+        if self._torch_stream is None:
+            yield
+        else:
+            with torch.cuda.stream(self._torch_stream):
+                yield
 
     def copy(self, site, dst, src, **_) -> bool:
-        """``dst[...] = src`` now."""
-        self.calls.append((site, dst))
-        dst.copy_(torch.as_tensor(src).reshape(dst.shape))
+        """``dst[...] = src``, issued now."""
+        self._counts[site] += 1
+        if self.record:
+            self.calls.append((site, dst))
+        dst.copy_(torch.from_numpy(src).reshape(dst.shape), non_blocking=True)
         return True
 
     def fill_tail(self, site, dst, start, value, **_) -> bool:
-        """``dst.reshape(-1)[start:] = value`` now (``dst`` contiguous)."""
-        self.calls.append((site, dst))
+        """``dst.reshape(-1)[start:] = value``, issued now (``dst`` contiguous)."""
+        self._counts[site] += 1
+        if self.record:
+            self.calls.append((site, dst))
         if start >= dst.numel():
             return False
         dst.view(-1)[start:].fill_(value)
@@ -563,9 +586,8 @@ class HostCopier:
     @property
     def stats(self) -> str:
         """Calls by site."""
-        by_site = Counter(s.label for s, _ in self.calls)
-        return f"HostCopier: {self.steps} steps, calls " + ", ".join(
-            f"{k} {v}" for k, v in sorted(by_site.items())
+        return f"PlainCopier: {self.steps} steps, calls " + ", ".join(
+            f"{s.label} {n}" for s, n in sorted(self._counts.items(), key=lambda x: x[0].label)
         )
 
     def close(self) -> None:
@@ -674,9 +696,11 @@ class Session:
         self.runs: list = []
         self.errors: list = []
         self.reference = None
+        self.generated = 0  # generate_batch calls, all checked against the first
 
     def generate(self) -> tuple[list, float, list]:
         """One ``generate_batch``: tokens per request (input order), wall seconds, errors."""
+        self.generated += 1
         t0 = time.perf_counter()
         out = self.model.generate_batch(
             self.prompts,
@@ -708,41 +732,53 @@ class Session:
         self.errors.extend(bad)
         return not bad
 
+    def variants(self) -> list:
+        """``unmodified``, ``routed`` and, in sync mode on a GPU, ``twin_plain``."""
+        extra = ["twin_plain"] if self.mode == "sync" and not self.args.cpu else []
+        return ["unmodified", "routed", *extra]
+
     def run(self) -> dict:
-        """Warm up, alternate unmodified and routed runs, then one run in check mode."""
+        """Warm up, rotate the variants' runs (AB, BA, ...), then one run in check mode."""
         args = self.args
-        self.reference, wall, errors = self.generate()  # builds, warms up, keeps the manager
-        self.errors.extend(f"{self.mode} first run: {e}" for e in errors)
-        manager = self.model.init_continuous_batching()  # the kept manager
-        processor = manager.batch_processor
-        clock = StepClock(processor)
-        t0 = time.perf_counter()
-        copier = HostCopier() if args.cpu else None
-        route = CucopyRoute(
-            processor,
-            copier,
-            raw_min_bytes=args.raw_min_bytes,
-            **({} if args.cpu else {"flush_mode": args.flush_mode}),
-        )
-        copier_s = time.perf_counter() - t0
+        routes = {}
         try:
-            with route:  # the route's first run: the copier's first steps, untimed
-                tokens, _, errors = self.generate()
-            self.compare(tokens, "routed warm-up run")
-            self.errors.extend(f"{self.mode} routed warm-up: {e}" for e in errors)
+            self.reference, wall, errors = self.generate()  # builds, warms up, keeps the manager
+            self.errors.extend(f"{self.mode} first run: {e}" for e in errors)
+            manager = self.model.init_continuous_batching()  # the kept manager
+            processor = manager.batch_processor
+            clock = StepClock(processor)
+            t0 = time.perf_counter()
+            routes["routed"] = route = CucopyRoute(
+                processor,
+                PlainCopier() if args.cpu else None,
+                raw_min_bytes=args.raw_min_bytes,
+                **({} if args.cpu else {"flush_mode": args.flush_mode}),
+            )
+            copier_s = time.perf_counter() - t0  # the first CUDA copier builds its kernels
+            variants = self.variants()
+            if "twin_plain" in variants:
+                plain = PlainCopier(route.stream, backend=route.copier.backend, record=False)
+                routes["twin_plain"] = CucopyRoute(
+                    processor, plain, raw_min_bytes=args.raw_min_bytes
+                )
+            for name, r in routes.items():  # each route's first run (first steps), untimed
+                with r:
+                    tokens, _, errors = self.generate()
+                self.compare(tokens, f"{name} warm-up run")
+                self.errors.extend(f"{self.mode} {name} warm-up: {e}" for e in errors)
             clock.take()
-            for pair in range(args.pairs):
-                order = ("unmodified", "routed") if pair % 2 == 0 else ("routed", "unmodified")
-                for variant in order:
-                    with route if variant == "routed" else contextlib.nullcontext():
+            for rnd in range(args.pairs):
+                k = rnd % len(variants)
+                for variant in variants[k:] + variants[:k]:
+                    with routes.get(variant) or contextlib.nullcontext():
                         tokens, wall, errors = self.generate()
                     intervals, hooks = clock.take()
-                    ok = self.compare(tokens, f"{variant} run (pair {pair})")
-                    self.errors.extend(f"{self.mode} {variant} (pair {pair}): {e}" for e in errors)
+                    ok = self.compare(tokens, f"{variant} run (round {rnd})")
+                    self.errors.extend(f"{self.mode} {variant} (round {rnd}): {e}" for e in errors)
                     self.runs.append(
                         {
                             "variant": variant,
-                            "pair": pair,
+                            "pair": rnd,
                             "wall_s": wall,
                             "steps": len(intervals) + 1,
                             "step_ms": intervals,
@@ -752,18 +788,23 @@ class Session:
                     )
             checked = self.check_run(route)
             stats = route.stats_text()
-            stats_dict = (
-                route.copier.stats.as_dict() if hasattr(route.copier.stats, "as_dict") else None
-            )
+            if "twin_plain" in routes:
+                stats += "\ntwin_plain: " + routes["twin_plain"].stats_text()
+            st = route.copier.stats
+            stats_dict = st.as_dict() if hasattr(st, "as_dict") else None
         finally:
-            route.close()
-            self.model.destroy_cached_continuous_batching_manager()
+            # also after a failure: the next mode must not find this mode's kept manager
+            try:
+                for r in routes.values():
+                    r.close()
+            finally:
+                self.model.destroy_cached_continuous_batching_manager()
         return self.summary(copier_s, checked, stats, stats_dict, dict(route.raw), clock.hook_name)
 
     def check_run(self, route) -> dict:
         """One routed run with cucopy's check mode on (each flush verifies the plan)."""
         if self.args.cpu:
-            return {"ran": False, "why": "--cpu: HostCopier has no check mode"}
+            return {"ran": False, "why": "--cpu: PlainCopier has no check mode"}
         before = check.CHECK_MODE
         check.CHECK_MODE = True
         try:
@@ -776,10 +817,11 @@ class Session:
         return {"ran": True, "tokens_identical": ok and not errors, "errors": errors[:5]}
 
     def summary(self, copier_s, checked, stats, stats_dict, raw, hook_name) -> dict:
+        """The mode's result: per variant, every raw sample and its statistics."""
         from bench._common import summarize
 
-        by = {}
-        for variant in ("unmodified", "routed"):
+        by, ratios = {}, {}
+        for variant in self.variants():
             runs = [r for r in self.runs if r["variant"] == variant]
             by[variant] = {
                 "runs": len(runs),
@@ -788,17 +830,19 @@ class Session:
                 "wall_s": summarize([r["wall_s"] for r in runs]),
                 "steps_per_run": [r["steps"] for r in runs],
             }
-        ratios = []
-        for pair in range(self.args.pairs):
+            ratios[variant] = []
+        for rnd in range(self.args.pairs):  # per round: variant median / unmodified median
             med = {
                 r["variant"]: statistics.median(r["step_ms"])
                 for r in self.runs
-                if r["pair"] == pair and r["step_ms"]
+                if r["pair"] == rnd and r["step_ms"]
             }
-            if len(med) == 2:
-                ratios.append(med["routed"] / med["unmodified"])
+            for variant in ratios:
+                if variant in med and "unmodified" in med:
+                    ratios[variant].append(med[variant] / med["unmodified"])
         target = {"async": 0.95, "sync": 0.85}[self.mode]
-        ratio = statistics.median(ratios) if ratios else None
+        ratio = statistics.median(ratios["routed"]) if ratios["routed"] else None
+        cfg = self.cb
         return {
             "mode": self.mode,
             "upload_method": hook_name,
@@ -807,21 +851,19 @@ class Session:
                 "new_tokens": self.args.new_tokens,
                 "prompt_tokens": [len(p) for p in self.prompts],
                 "continuous_batching": {
-                    k: getattr(self.cb, k)
-                    for k in (
-                        "block_size",
-                        "num_blocks",
-                        "max_batch_tokens",
-                        "use_async_batching",
-                        "use_cuda_graph",
-                    )
+                    "block_size": cfg.block_size,
+                    "num_blocks": cfg.num_blocks,
+                    "max_batch_tokens": cfg.max_batch_tokens,
+                    "use_async_batching": cfg.use_async_batching,
+                    "use_cuda_graph": cfg.use_cuda_graph,
                 },
                 "flush_mode": None if self.args.cpu else self.args.flush_mode,
                 "raw_min_bytes": self.args.raw_min_bytes,
             },
             "copier_create_s": copier_s,
+            "generate_batch_runs": self.generated,
             "variants": by,
-            "step_ratio_per_pair": ratios,
+            "step_ratio_per_round": {v: x for v, x in ratios.items() if v != "unmodified"},
             "step_ratio": ratio,
             "target_ratio": target,
             "target_met": None if ratio is None or self.args.cpu else ratio <= target,
@@ -835,15 +877,15 @@ class Session:
 
 
 def report(res: dict, device_name: str) -> None:
+    """Print one mode's result."""
     v = res["variants"]
-    n = res["config"]["requests"]
+    runs = " + ".join(str(s["runs"]) for s in v.values())
     print(
-        f"mode {res['mode']} on {device_name}: {n} requests x {res['config']['new_tokens']} new tokens, "
-        f"{v['routed']['runs']} + {v['unmodified']['runs']} timed runs (pairs AB, BA, ...); "
+        f"mode {res['mode']} on {device_name}: {res['config']['requests']} requests x "
+        f"{res['config']['new_tokens']} new tokens, {runs} timed runs ({', '.join(v)}, rotated); "
         f"copier made in {res['copier_create_s']:.2f} s"
     )
-    for variant in ("unmodified", "routed"):
-        s = v[variant]
+    for variant, s in v.items():
         step, up, wall = s["step_ms"], s["upload_us"], s["wall_s"]
         if step["median"] is None:
             print(f"  {variant:10}  no steps measured")
@@ -853,13 +895,15 @@ def report(res: dict, device_name: str) -> None:
             f"{res['upload_method']} {up['median']:8.1f} us [{up['p10']:.1f}-{up['p90']:.1f}]  "
             f"wall {wall['median']:6.3f} s/run, {statistics.median(s['steps_per_run'])} steps"
         )
-    if res["step_ratio"] is not None:
-        pairs = " ".join(f"{x:.3f}" for x in res["step_ratio_per_pair"])
-        met = {True: "MET", False: "NOT MET", None: "n/a (--cpu)"}[res["target_met"]]
-        print(
-            f"  routed/unmodified step time: {res['step_ratio']:.3f} (pairs: {pairs}); "
-            f"target <= {res['target_ratio']}: {met}"
-        )
+    for variant, xs in res["step_ratio_per_round"].items():
+        if not xs:
+            continue
+        line = f"  {variant}/unmodified step time: {statistics.median(xs):.3f} (rounds: "
+        line += " ".join(f"{x:.3f}" for x in xs) + ")"
+        if variant == "routed":
+            met = {True: "MET", False: "NOT MET", None: "n/a (--cpu)"}[res["target_met"]]
+            line += f"; target <= {res['target_ratio']}: {met}"
+        print(line)
     c = res["check_mode"]
     if c["ran"]:
         print(
@@ -899,7 +943,9 @@ def main(argv=None) -> int:
     )
     p.add_argument("--requests", type=int, default=32)
     p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--pairs", type=int, default=5, help="unmodified/routed run pairs (default 5)")
+    p.add_argument(
+        "--pairs", type=int, default=5, help="rounds of one run per variant, rotated (default 5)"
+    )
     p.add_argument("--block-size", type=int, default=32)
     p.add_argument("--num-blocks", type=int, default=100)
     p.add_argument("--max-batch-tokens", type=int, default=64)
@@ -907,7 +953,7 @@ def main(argv=None) -> int:
     p.add_argument("--raw-min-bytes", type=int, default=RAW_MIN_BYTES)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
-        "--cpu", action="store_true", help="no GPU: sync mode with HostCopier (the seam only)"
+        "--cpu", action="store_true", help="no GPU: sync mode with PlainCopier (the seam only)"
     )
     p.add_argument(
         "--watchdog", type=float, default=0, help="dump every thread's stack and exit after S s"
@@ -932,7 +978,7 @@ def main(argv=None) -> int:
         device = torch.device("cuda", torch.cuda.current_device())
         modes = ["async", "sync"] if args.mode in (None, "both") else [args.mode]
     device_name = (
-        torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (HostCopier)"
+        torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (PlainCopier)"
     )
     print(
         f"hf_continuous_batching: transformers {transformers.__version__}, torch {torch.__version__} "
@@ -958,9 +1004,7 @@ def main(argv=None) -> int:
 
     ok = not errors and len(results) == len(modes)
     if ok:
-        what = ", ".join(
-            f"{m} {len(r['runs']) + 2 + r['check_mode']['ran']} runs" for m, r in results.items()
-        )
+        what = ", ".join(f"{m} {r['generate_batch_runs']} runs" for m, r in results.items())
         print(f"match: tokens identical request by request in every run ({what})")
     else:
         for e in errors[:20]:

@@ -1,6 +1,6 @@
 """examples/hf_continuous_batching.py on the CPU: the seam into transformers and its site map.
 
-No GPU here, so no cucopy copier: the route runs with the example's ``HostCopier`` (each
+No GPU here, so no cucopy copier: the route runs with the example's ``PlainCopier`` (each
 call done at once on CPU tensors) and these tests check what the route asks of it.
 Sync mode runs ``generate_batch`` itself on the CPU; async mode's ``HostDeviceIOPair``
 is driven directly (its engine object needs CUDA streams to be built).
@@ -161,7 +161,7 @@ def test_copy_accumulators_is_the_scalar_half_of_the_engines_transfer(ex, engine
     assert engine_names == ours
 
     # and the values: the host twin of a routed run holds a prepared batch
-    route = ex.CucopyRoute(engine.processor, ex.HostCopier())
+    route = ex.CucopyRoute(engine.processor, ex.PlainCopier())
     with route:
         engine.generate()
     twin = route.host_twin
@@ -190,7 +190,7 @@ def test_sync_routed_run_writes_what_the_engine_prepares(ex, engine, raw_min_byt
     from transformers.generation.continuous_batching.input_outputs import ContinuousBatchingIOs
 
     io = engine.processor.inputs_and_outputs
-    copier = ex.HostCopier()
+    copier = ex.PlainCopier()
     route = ex.CucopyRoute(engine.processor, copier, raw_min_bytes=raw_min_bytes)
     tokens, differences = routed_run(engine, route)
 
@@ -230,7 +230,7 @@ def test_sync_routed_run_writes_what_the_engine_prepares(ex, engine, raw_min_byt
 def test_sync_seam_broken_is_caught(ex, engine, site, buffer):
     dropped = ex.Site[site]
 
-    class Drops(ex.HostCopier):
+    class Drops(ex.PlainCopier):
         def copy(self, site, dst, src, **kw):
             return False if site is dropped else super().copy(site, dst, src, **kw)
 
@@ -243,7 +243,7 @@ def test_sync_seam_broken_is_caught(ex, engine, site, buffer):
 
 
 def test_sync_route_needs_a_copier_on_the_cpu(ex, engine):
-    with pytest.raises(ValueError, match="runs on the CPU; pass copier=HostCopier"):
+    with pytest.raises(ValueError, match="runs on the CPU; pass copier=PlainCopier"):
         ex.CucopyRoute(engine.processor)
 
 
@@ -356,7 +356,7 @@ def async_steps(ex, engine, copier, num, query, past, steps=3) -> list:
     "num, query, past", [(3, 5, 0), (4, 1, 40), (2, 9, 17), (5, 1, 0)], ids=lambda v: str(v)
 )
 def test_async_pair_upload_gives_the_model_what_the_host_prepared(ex, engine, num, query, past):
-    copier = ex.HostCopier()
+    copier = ex.PlainCopier()
     assert async_steps(ex, engine, copier, num, query, past) == [[]] * 3
     assert copier.steps == 3
     assert {s for s, _ in copier.calls} >= {ex.Site.BULK, ex.Site.CARRY_OVER, ex.Site.WRITE_PAD}
@@ -368,7 +368,7 @@ def test_async_pair_upload_gives_the_model_what_the_host_prepared(ex, engine, nu
 def test_async_seam_broken_is_caught(ex, engine, site):
     dropped = ex.Site[site]
 
-    class Drops(ex.HostCopier):
+    class Drops(ex.PlainCopier):
         def copy(self, site, dst, src, **kw):
             return False if site is dropped else super().copy(site, dst, src, **kw)
 
@@ -380,7 +380,7 @@ def test_async_seam_broken_is_caught(ex, engine, site):
 
 def test_async_pair_refuses_another_stream(ex, engine):
     io = async_ios(engine)
-    route = ex.CucopyRoute(SimpleNamespace(inputs_and_outputs=io), ex.HostCopier())
+    route = ex.CucopyRoute(SimpleNamespace(inputs_and_outputs=io), ex.PlainCopier())
     with route, pytest.raises(ex.cc.CopyError, match="h2d_over event would not cover"):
         io.io_pairs[0].transfer_inputs_h2d(FakeStream())
 
