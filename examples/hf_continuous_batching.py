@@ -37,9 +37,11 @@ the same stream instead of a snapshot (the engine already fences that buffer: se
 :class:`CucopyRoute`).
 
 The script runs ``generate_batch`` once to build and warm the engine (kept as a
-persistent manager), then ``--pairs`` pairs of runs, unmodified and routed alternately
-(AB, BA, ...), each checked token for token against the first run, then one routed run
-in cucopy's check mode. It prints per-step host time (the median interval between
+persistent manager), then ``--pairs`` rounds of one run per variant, the order rotated
+each round (AB, BA, ...): ``unmodified``, ``routed`` and, in sync mode on a GPU,
+``twin_plain`` (the routed step's host twin uploaded with a plain ``copy_``/``fill_``
+per region: what the twin alone gains, apart from cucopy). Every run is checked token
+for token against the first; then one routed run in cucopy's check mode. It prints per-step host time (the median interval between
 generation steps, and the time in the upload method), wall time per run,
 ``copier.stats``, and ``match:`` (or ``MISMATCH:`` lines and exit status 1).
 ``--json PATH`` writes the environment, the configuration, every raw timing and the

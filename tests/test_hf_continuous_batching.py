@@ -288,7 +288,8 @@ def async_ios(engine):
 
 def poison(io) -> None:
     """Fill every device buffer with a value no step writes."""
-    for t in (io._bulk_input_tensor, io.write_index_storage, io.read_index_storage, io.output_ids):
+    tensors = (io._bulk_input_tensor, io.write_index_storage, io.read_index_storage)
+    for t in (*tensors, io.output_ids, io.block_table):
         t.fill_(0x5A5A5A5A)
     for mask in (io.attention_mask or {}).values():
         mask.fill_(123.0)
@@ -309,13 +310,15 @@ def differences(a, b, where="kwargs") -> list:
     return [] if a == b else [where]
 
 
-def async_steps(ex, engine, copier, num, query, past, steps=3) -> list:
+def async_steps(ex, engine, copier, num, query, past, steps=3, fast_path=False) -> list:
     """Drive the engine's async IO pairs for ``steps`` steps through a route; per step,
-    where what the model is given differs from what the host prepared."""
+    where what the model is given differs from what the host prepared. ``fast_path``:
+    the decode fast path (block table; needs IO pairs made with max_blocks_per_request)."""
     from transformers.generation.continuous_batching.requests import RequestStatus
     from transformers.generation.continuous_batching.utils import (
         create_warmup_future_states,
         pad_to_interval,
+        pad_to_pow2,
     )
 
     p = engine.processor
@@ -329,17 +332,29 @@ def async_steps(ex, engine, copier, num, query, past, steps=3) -> list:
         states = create_warmup_future_states(num, status, query, past, cache)
         assert len(states) == num
         try:
-            q = pad_to_interval(
-                num * query, p.cb_config.q_padding_interval_size, cache.max_batch_tokens
-            )
-            kv = pad_to_interval(num * past, p.cb_config.kv_padding_interval_size, cache.num_pages)
+            if fast_path:  # as ModelRunner.maybe_pad_inputs pads the decode fast path
+                q, kv = pad_to_pow2(num, p.cb_config.max_requests_per_batch), 0
+            else:
+                q = pad_to_interval(
+                    num * query, p.cb_config.q_padding_interval_size, cache.max_batch_tokens
+                )
+                kv = pad_to_interval(
+                    num * past, p.cb_config.kv_padding_interval_size, cache.num_pages
+                )
             pair = io.io_pairs[io.current_pair]
             poison(pair.device_io)
-            io.prepare_batch_tensors(states, p.logit_processor, False, q, kv, use_padding=True)
+            io.prepare_batch_tensors(states, p.logit_processor, fast_path, q, kv, use_padding=True)
+            assert pair.host_io.use_block_table == fast_path
             with route:
                 got = io.get_model_kwargs(use_padding=True)  # the engine calls transfer_inputs_h2d
             want = pair.host_io.get_model_kwargs(use_padding=True)
             diff = differences(dict(got), dict(want))
+            if fast_path:  # the engine uploads no KV indices then either: the block table is read
+                diff = [
+                    d
+                    for d in diff
+                    if not d.startswith(("kwargs[write_index]", "kwargs[read_index]"))
+                ]
             # the graph indexes the whole carry-over row
             if not torch.equal(pair.device_io.carry_over_ids, pair.host_io.carry_over_ids):
                 diff.append("carry_over_ids")
@@ -360,6 +375,22 @@ def test_async_pair_upload_gives_the_model_what_the_host_prepared(ex, engine, nu
     assert async_steps(ex, engine, copier, num, query, past) == [[]] * 3
     assert copier.steps == 3
     assert {s for s, _ in copier.calls} >= {ex.Site.BULK, ex.Site.CARRY_OVER, ex.Site.WRITE_PAD}
+
+
+def test_async_decode_fast_path_uploads_the_block_table(ex, engine, monkeypatch):
+    # the block table exists with flash attention on CUDA only; here the cache is told it
+    # may hold 4 blocks a request before the IO pairs are made
+    monkeypatch.setattr(engine.processor.cache, "max_blocks_per_request", 4)
+    copier = ex.PlainCopier()
+    out = async_steps(ex, engine, copier, 3, 1, 40, fast_path=True)
+    assert out == [[]] * 3
+    assert ex.Site.BLOCK_TABLE in {s for s, _ in copier.calls}
+
+    class Drops(ex.PlainCopier):
+        def copy(self, site, dst, src, **kw):
+            return False if site is ex.Site.BLOCK_TABLE else super().copy(site, dst, src, **kw)
+
+    assert any(async_steps(ex, engine, Drops(), 3, 1, 40, steps=2, fast_path=True))
 
 
 @pytest.mark.parametrize(
