@@ -4,10 +4,12 @@
 #
 # Usage (from the repository root, with the machine's own python3; installs nothing):
 #   OUT=<dir> bash bench/gpu_session.sh
+#   ONLY=hf_async,hf_sync OUT=<dir> bash bench/gpu_session.sh   # these steps (+ build, versions)
 #
 # Writes $OUT/summary.txt (each step's exit status, time and log tail; the bench's
 # tables), $OUT/bench.json (the suite's result, when it wrote one), $OUT/cold_start.json
-# (the first copier's cost, cold and warm kernel cache) and $OUT/results.tgz (every log,
+# (the first copier's cost, cold and warm kernel cache), $OUT/hf_continuous_batching-*.json
+# (transformers' continuous batching, unmodified vs routed) and $OUT/results.tgz (every log,
 # the JSONs and plots).
 # Every step has a time limit and the script keeps going past failures; all of it
 # ends within BUDGET_S seconds (default 530, under 9 minutes).
@@ -18,6 +20,7 @@ cd "$(dirname "$0")/.."
 : "${OUT:?set OUT to the folder whose files come back}"
 PY=${PYTHON:-python3}
 BUDGET_S=${BUDGET_S:-530}
+ONLY=${ONLY:-}  # comma-separated step names; empty: every step
 mkdir -p "$OUT"
 work=$(mktemp -d)
 logs=$work/logs
@@ -37,6 +40,9 @@ secs=()
 step() {
     local name=$1 limit=$2
     shift 2
+    if [[ -n $ONLY && $name != build_ext && $name != versions && ",$ONLY," != *",$name,"* ]]; then
+        return  # not asked for (ONLY)
+    fi
     local left=$((deadline - $(date +%s) - 30))
     if ((left < limit)); then limit=$left; fi
     local log=$logs/$name.log
@@ -56,6 +62,7 @@ step() {
 }
 
 skip() {  # skip NAME WHY
+    if [[ -n $ONLY && ",$ONLY," != *",$1,"* ]]; then return; fi
     echo "== $1: skipped: $2" | tee "$logs/$1.log"
     names+=("$1") codes+=("skip") secs+=(0)
 }
@@ -66,7 +73,7 @@ versions() {
     "$PY" - <<'EOF'
 import importlib, platform
 print("python", platform.python_version(), platform.platform(terse=True))
-for mod in ("numpy", "cupy", "torch", "cuda.bindings", "jax", "matplotlib", "tqdm", "pytest"):
+for mod in ("numpy", "cupy", "torch", "cuda.bindings", "jax", "transformers", "matplotlib", "tqdm", "pytest"):
     try:
         m = importlib.import_module(mod)
         print(f"{mod:14s}", getattr(m, "__version__", "?"))
@@ -143,8 +150,22 @@ step step_phases 60 "$PY" bench/probes/step_phases.py --n 32
 step host_ratio 60 "$PY" bench/host_ratio.py --steps 1000 --json "$work/bench/host_ratio.json"
 for ex in examples/*.py; do
     [[ -f "$ex" ]] || continue
+    [[ $(basename "$ex") == hf_continuous_batching.py ]] && continue # its own steps below
     step "example_$(basename "$ex" .py)" 60 env PYTHONPATH=. "$PY" "$ex"
 done
+
+# transformers' continuous batching (generate_batch) unmodified and routed through cucopy,
+# one process per mode; rc 1 on any token mismatch, the targets are in the log and JSON
+# (--watchdog: every thread's stack in the log if a run hangs, before the step's timeout)
+if "$PY" -c "import transformers" 2>/dev/null; then
+    for mode in async sync; do
+        step "hf_$mode" 75 env PYTHONPATH=. "$PY" examples/hf_continuous_batching.py \
+            --mode "$mode" --watchdog 65 --json "$work/bench/hf_continuous_batching-$mode.json"
+    done
+else
+    skip hf_async "transformers is not installed"
+    skip hf_sync "transformers is not installed"
+fi
 
 # -- summary ---------------------------------------------------------------------------------
 {
@@ -156,6 +177,7 @@ done
         n=${names[$i]}
         lines=15
         [[ $n == bench ]] && lines=200
+        [[ $n == hf_* ]] && lines=40
         echo
         echo "---- $n (last $lines lines) ----"
         tail -n "$lines" "$logs/$n.log"
@@ -165,7 +187,10 @@ cp "$work/summary.txt" "$OUT/summary.txt"
 json=$(ls "$work"/bench/results/*.json 2>/dev/null | head -n 1)
 if [[ -n "$json" ]]; then cp "$json" "$OUT/bench.json"; fi
 if [[ -f "$work/bench/cold_start.json" ]]; then cp "$work/bench/cold_start.json" "$OUT/"; fi
+for f in "$work"/bench/hf_continuous_batching-*.json; do
+    if [[ -f "$f" ]]; then cp "$f" "$OUT/"; fi
+done
 tar -czf "$OUT/results.tgz" -C "$work" logs bench summary.txt
 echo
 head -n 12 "$OUT/summary.txt"
-echo "wrote summary.txt, results.tgz${json:+, bench.json}, cold_start.json (if it ran) under \$OUT"
+echo "wrote summary.txt, results.tgz${json:+, bench.json}, cold_start.json and hf_continuous_batching-*.json (if they ran) under \$OUT"
