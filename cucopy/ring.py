@@ -225,6 +225,15 @@ class StagingRing:
         """Number of slots."""
         return len(self._slots)
 
+    @property
+    def index(self) -> int:
+        """Index of the current slot (-1 before the first :meth:`acquire`)."""
+        return self._index
+
+    def event_at(self, index: int):
+        """The event of slot ``index``: recorded after the last work of that slot's step."""
+        return self._events[index]
+
     def note_overflow(self, nbytes: int) -> None:
         """Record ``nbytes`` a step wanted but its slot could not hold (grows the next one)."""
         self._want += nbytes
