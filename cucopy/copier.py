@@ -544,7 +544,9 @@ class DeviceCopier:
         except CopyError:
             raise
         except Exception as exc:
-            raise CopyError(f"graph feed {feed.index}: replaying {graph!r} failed: {exc!r}") from exc
+            raise CopyError(
+                f"graph feed {feed.index}: replaying {graph!r} failed: {exc!r}"
+            ) from exc
         feed._replays += 1
 
     def _post_feed(self, feed: GraphFeed, graph) -> None:
@@ -562,27 +564,33 @@ class DeviceCopier:
             total = end - start
             head = pack.HEADER_BYTES + n * pack.DESC_BYTES
             pin = slot.pinned
-            if pack.align(head) <= pack.FEED_CAPACITY:
+            if pack.align(head) <= pack.FEED_CAPACITY and not feed._busy(tag, self.stats.steps):
                 # the header and table ride in the entry (one read for the node); the
                 # data stays in the slot, which the ring keeps until the replay ran
-                carry = min(total, pack.align(head))
-                waited = feed._post(
+                feed._post(
                     tag,
                     pin.device_ptr + start,
-                    slot.mv[start : start + carry],
+                    slot.mv[start : start + min(total, pack.align(head))],
                     self.stats.steps,
-                    self._ring.index,
                 )
                 posted = True
-                if waited:
-                    self.stats.host_waits += 1
                 how = "graph"
             else:
-                # a table larger than an entry: an ordinary mapped launch, then the replay
+                # an ordinary launch right before the replay: a table larger than an
+                # entry, or an entry an earlier replay may still read
+                feed.fallbacks += 1
                 cmax = self._carry_max
-                carry = pack.align(head) if head <= cmax else 0
-                be.scatter(pin.device_ptr + start, nblocks, self._stream, True, carry, pin.ptr + start)
-                how = "mapped"
+                if total <= cmax:
+                    be.scatter(
+                        pin.device_ptr + start, nblocks, self._stream, True, total, pin.ptr + start
+                    )
+                    how = "inline"
+                else:
+                    carry = pack.align(head) if head <= cmax else 0
+                    be.scatter(
+                        pin.device_ptr + start, nblocks, self._stream, True, carry, pin.ptr + start
+                    )
+                    how = "mapped"
             slot.dirty = True  # read when the replay runs: the slot's event follows it
             be.graph_launch(graph, self._stream)
         except BaseException as exc:

@@ -20,9 +20,11 @@ enqueue, then enqueues that replay. So:
   tagged for an older replay and lands nothing;
 - the host may run ahead: an entry is rewritten only once the replay that read it
   has run (the entry for replay ``r`` is reused by ``r + entries``; ``entries``
-  is the ring's ``slots``, and the ring's wait for the slot of that step's
-  segment covers it), and the segment's bytes stay in the step's ring slot until
-  then, as every flush's do;
+  is the ring's ``slots``, and the ring's wait for the slot of the step posted
+  there covers it), and the segment's bytes stay in the step's ring slot until
+  then, as every flush's do. When replays without steps bring an entry's turn
+  round sooner, that step lands through an ordinary launch right before its
+  replay (``GraphFeed.fallbacks``) rather than wait;
 - a graph step that is not replayed before the copier's next step, flush,
   eager copy or close lands then, through an ordinary launch, before anything
   that follows it in program order (never lost, never late).
@@ -58,6 +60,13 @@ class GraphFeed:
         Thread blocks of the node (fixed at capture).
     entries : int
         Mailbox entries (the copier's ring slots).
+    posts : int
+        Steps whose copies rode in a replay of the node.
+    fallbacks : int
+        Graph steps replayed whose copies landed through an ordinary launch right
+        before the replay: a table larger than an entry holds
+        (``pack.FEED_CAPACITY``), or an entry still busy (replays without steps
+        brought its turn round within ``entries`` steps).
     """
 
     def __init__(self, copier, blocks: int):
@@ -70,11 +79,6 @@ class GraphFeed:
         self._box = be.alloc_feed(nbytes)
         try:
             self._box.array[:] = 0
-            self._heads = (
-                self._box.array[: self.entries * pack.FEED_ENTRY_BYTES]
-                .reshape(self.entries, pack.FEED_ENTRY_BYTES)[:, : pack.FEED_HEAD_BYTES]
-                .view(pack.FEED_ENTRY_DTYPE)[:, 0]
-            )
             self._status = self._box.array[self.entries * pack.FEED_ENTRY_BYTES :][:8].view(
                 np.uint64
             )
@@ -85,10 +89,13 @@ class GraphFeed:
         except BaseException:
             self._box.close()
             raise
+        self._mv = memoryview(self._box.array)
+        self._q = self._mv[: self.entries * pack.FEED_ENTRY_BYTES].cast("Q")  # little-endian
         self._replays = 0
-        # per entry: (copier step, ring slot index) of its last post
+        # per entry: the copier step of its last post (None: free)
         self._posted: list = [None] * self.entries
         self.posts = 0
+        self.fallbacks = 0
 
     @property
     def replays(self) -> int:
@@ -104,7 +111,7 @@ class GraphFeed:
     def __repr__(self) -> str:
         return (
             f"GraphFeed(index={self.index}, blocks={self.blocks}, entries={self.entries}, "
-            f"replays={self._replays}, posts={self.posts})"
+            f"replays={self._replays}, posts={self.posts}, fallbacks={self.fallbacks})"
         )
 
     def replay(self, graph) -> None:
@@ -142,7 +149,8 @@ class GraphFeed:
         c = self._copier
         c._live()
         c.backend.synchronize(c.stream)
-        self._heads["tag"] = 0
+        for i in range(self.entries):
+            self._q[i * pack.FEED_ENTRY_BYTES // 8] = 0
         self._posted = [None] * self.entries
         self._replays = int(self._status[0])
 
@@ -157,45 +165,45 @@ class GraphFeed:
                 "feed.resync())"
             )
 
-    def _post(self, tag: int, seg_device: int, head, steps: int, ring_index: int) -> bool:
-        """Write the entry for replay ``tag``; returns whether the host waited for it.
+    def _busy(self, tag: int, steps: int) -> bool:
+        """Whether the entry for replay ``tag`` may still be read by an earlier replay.
 
-        ``head`` is the segment's first bytes (at least its header and table).
+        The ring waited, before step ``steps`` began, for the slot of the step
+        ``entries`` (= slots) steps back, and so for every replay enqueued before
+        that step ended. A post closer than that to the entry's last one (replays
+        without steps in between) finds the entry busy: the step then lands through
+        an ordinary launch instead, and nobody waits.
         """
+        last = self._posted[tag % self.entries]
+        if last is None:
+            return False
+        since = steps - last
+        return since < self.entries or since < 0
+
+    def _post(self, tag: int, seg_device: int, head, steps: int) -> None:
+        """Write the entry for replay ``tag``: ``head`` is the segment's first bytes (at
+        least its header and table), the rest is read at ``seg_device``."""
         i = tag % self.entries
-        waited = False
-        last = self._posted[i]
-        if last is not None:
-            step, slot = last
-            since = steps - step
-            # The ring waited for the slot of a step `entries` (= slots) steps back
-            # before this step began; a closer post (replays without steps in
-            # between) waits for its own slot's event: the replay that read the
-            # entry was enqueued before that event.
-            if since < self.entries or since < 0:
-                be = self._copier.backend
-                event = self._copier._ring.event_at(slot)
-                if not be.event_query(event):
-                    be.event_synchronize(event)
-                    waited = True
         n = len(head)
-        off = i * pack.FEED_ENTRY_BYTES
-        arr = self._box.array
-        h = self._heads[i]
-        h["tag"] = 0  # never a half-written entry under a valid tag
-        arr[off + pack.FEED_HEAD_BYTES : off + pack.FEED_HEAD_BYTES + n] = head
-        h["seg"] = seg_device
-        h["nbytes"] = n
-        h["tag"] = tag
-        self._posted[i] = (steps, ring_index)
+        off = i * pack.FEED_ENTRY_BYTES + pack.FEED_HEAD_BYTES
+        q = self._q
+        w = i * pack.FEED_ENTRY_BYTES // 8
+        q[w] = 0  # never a half-written entry under a valid tag
+        self._mv[off : off + n] = head
+        q[w + 1] = seg_device
+        q[w + 2] = n
+        q[w] = tag
+        self._posted[i] = steps
         self.posts += 1
-        return waited
 
     def _unpost(self, tag: int) -> None:
-        h = self._heads[tag % self.entries]
-        if int(h["tag"]) == tag:
-            h["tag"] = 0
+        w = (tag % self.entries) * pack.FEED_ENTRY_BYTES // 8
+        if self._q[w] == tag:
+            self._q[w] = 0
+            self._posted[tag % self.entries] = None
 
     def close(self) -> None:
         """Free the mailbox (the copier's ``close()`` does it; waits for the device)."""
+        self._mv.release()
+        self._q.release()
         self._box.close()

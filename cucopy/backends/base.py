@@ -179,9 +179,7 @@ class Backend:
         """
         return self.alloc_pinned(nbytes)
 
-    def feed_capture(
-        self, box_ptr: int, entries: int, blocks: int, status_ptr: int, stream
-    ) -> int:
+    def feed_capture(self, box_ptr: int, entries: int, blocks: int, status_ptr: int, stream) -> int:
         """Enqueue the graph-fed scatter into the graph ``stream`` is capturing.
 
         The node (``cucopy_scatter_feed``, ``blocks`` thread blocks, parameters

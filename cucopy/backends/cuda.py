@@ -911,9 +911,7 @@ class CudaBackend(Backend):
             If the feed kernel did not build, or the launch fails.
         """
         if _getDevice() != self.device:
-            return self._on_device(
-                self.feed_capture, box_ptr, entries, blocks, status_ptr, stream
-            )
+            return self._on_device(self.feed_capture, box_ptr, entries, blocks, status_ptr, stream)
         k = self._kern or self._get_kernels()
         if not k.feed:
             raise CopyError(f"{self.describe()}: the graph feed kernel did not build")
