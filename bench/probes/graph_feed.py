@@ -24,7 +24,8 @@ Per mechanism it prints the GPU period per launch (median of 5 runs), its excess
 parameter update or mailbox write, launch). It also checks the landed bytes of the last
 step and, for ``params_*``, that a launch already enqueued keeps the parameters it had
 (the stalled stream sees tags 7 then 9 after an update between the two launches). Needs
-a GPU (CuPy and cuda-python); the answer's stored run is named in bench/README.md.
+a GPU (CuPy and cuda-python). Answer: ``graph_feed.log`` / ``graph_feed.json`` in the
+first ``bench/results/`` run with it (``gpu_session.sh`` runs it; none stored yet).
 Extends ``shared/probes/graph_params.py``, whose measurements are the ``params_*`` rows.
 """
 
