@@ -3,7 +3,7 @@
 Usage:
     python bench/probes/graph_feed.py [--n 32] [--launches 300] [--work-us 33] [--json PATH]
 
-Question (issue 15): a graph of ``--work-us`` of work is launched ``--launches`` times
+Question: which mechanism (issue 15)? A graph of ``--work-us`` of work is launched ``--launches`` times
 back to back behind a stalled stream, so the figures are GPU periods, not host gaps.
 Each launch carries one step of N merged copies (the decode mix, NumPy sources) by:
 
@@ -26,7 +26,8 @@ step and, for ``params_*``, that a launch already enqueued keeps the parameters 
 (the stalled stream sees tags 7 then 9 after an update between the two launches). Needs
 a GPU (CuPy and cuda-python). Answer: ``graph_feed.log`` / ``graph_feed.json`` in the
 first ``bench/results/`` run with it (``gpu_session.sh`` runs it; none stored yet).
-Extends ``shared/probes/graph_params.py``, whose measurements are the ``params_*`` rows.
+Extends issue 15's throwaway probe (``graph_params.py``), whose measurements are the
+``params_*`` rows.
 """
 
 from __future__ import annotations
