@@ -821,12 +821,16 @@ cucopy_scatter_feed(const unsigned char* __restrict__ box, unsigned int entries,
     __syncthreads();
     const cucopy_u64 r = s_replay;
     const cucopy_u8* e = box + (r % entries) * (cucopy_u64)CUCOPY_FEED_ENTRY_BYTES;
-    const CucopyFeedEntry head = *reinterpret_cast<const CucopyFeedEntry*>(e);
+    // the host rewrites entries between replays: read the head past any cache
+    const volatile CucopyFeedEntry* hp = reinterpret_cast<const volatile CucopyFeedEntry*>(e);
+    const cucopy_u64 tag = hp->tag;
+    const cucopy_u64 seg = hp->seg;
+    const cucopy_u32 have = hp->nbytes;
     const cucopy_u8* bytes = e + CUCOPY_FEED_HEAD;
-    if (head.tag == r && head.nbytes >= CUCOPY_HEADER_BYTES && head.nbytes <= CUCOPY_FEED_CAPACITY) {
+    if (tag == r && have >= CUCOPY_HEADER_BYTES && have <= CUCOPY_FEED_CAPACITY) {
         const cucopy_u32 nblocks = reinterpret_cast<const CucopyHeader*>(bytes)->nblocks;
         for (cucopy_u32 vb = blockIdx.x; vb < nblocks; vb += gridDim.x) {
-            cucopy_carried_block<CUCOPY_FEED_CAPACITY>(bytes, head.nbytes, head.seg, vb);
+            cucopy_carried_block<CUCOPY_FEED_CAPACITY>(bytes, have, seg, vb);
             __syncthreads();  // the next round reuses the block's shared descriptor
         }
     }
