@@ -564,14 +564,15 @@ class DeviceCopier:
             total = end - start
             head = pack.HEADER_BYTES + n * pack.DESC_BYTES
             pin = slot.pinned
-            if pack.align(head) <= pack.FEED_CAPACITY and not feed._busy(tag, self.stats.steps):
+            turn = self._ring.acquires
+            if pack.align(head) <= pack.FEED_CAPACITY and not feed._busy(tag, turn):
                 # the header and table ride in the entry (one read for the node); the
                 # data stays in the slot, which the ring keeps until the replay ran
                 feed._post(
                     tag,
                     pin.device_ptr + start,
                     slot.mv[start : start + min(total, pack.align(head))],
-                    self.stats.steps,
+                    turn,
                 )
                 posted = True
                 how = "graph"

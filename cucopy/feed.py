@@ -92,7 +92,7 @@ class GraphFeed:
         self._mv = memoryview(self._box.array)
         self._q = self._mv[: self.entries * pack.FEED_ENTRY_BYTES].cast("Q")  # little-endian
         self._replays = 0
-        # per entry: the copier step of its last post (None: free)
+        # per entry: the ring acquisition (StagingRing.acquires) of its last post
         self._posted: list = [None] * self.entries
         self.posts = 0
         self.fallbacks = 0
@@ -165,22 +165,23 @@ class GraphFeed:
                 "feed.resync())"
             )
 
-    def _busy(self, tag: int, steps: int) -> bool:
+    def _busy(self, tag: int, turn: int) -> bool:
         """Whether the entry for replay ``tag`` may still be read by an earlier replay.
 
-        The ring waited, before step ``steps`` began, for the slot of the step
-        ``entries`` (= slots) steps back, and so for every replay enqueued before
-        that step ended. A post closer than that to the entry's last one (replays
-        without steps in between) finds the entry busy: the step then lands through
-        an ordinary launch instead, and nobody waits.
+        ``turn`` counts the ring's slot acquisitions: acquisition ``turn`` waited for
+        the slot of acquisition ``turn - entries`` (``entries`` = slots), whose event
+        follows every replay enqueued while that slot was current. A post closer
+        than that to the entry's last one (replays without steps in between) finds
+        the entry busy: the step then lands through an ordinary launch instead, and
+        nobody waits.
         """
         last = self._posted[tag % self.entries]
         if last is None:
             return False
-        since = steps - last
+        since = turn - last
         return since < self.entries or since < 0
 
-    def _post(self, tag: int, seg_device: int, head, steps: int) -> None:
+    def _post(self, tag: int, seg_device: int, head, turn: int) -> None:
         """Write the entry for replay ``tag``: ``head`` is the segment's first bytes (at
         least its header and table), the rest is read at ``seg_device``."""
         i = tag % self.entries
@@ -193,7 +194,7 @@ class GraphFeed:
         q[w + 1] = seg_device
         q[w + 2] = n
         q[w] = tag
-        self._posted[i] = steps
+        self._posted[i] = turn
         self.posts += 1
 
     def _unpost(self, tag: int) -> None:

@@ -210,6 +210,8 @@ class StagingRing:
         self._slots: list[Slot | None] = [None] * slots
         self._events = [backend.event_create() for _ in range(slots)]
         self._index = -1
+        #: slots acquired so far: acquire ``n`` waited for the work of acquire ``n - slots``
+        self.acquires = 0
         self._demand = WindowMax(DEMAND_WINDOW)
         self._want = 0
         self.current: Slot | None = None
@@ -255,6 +257,7 @@ class StagingRing:
         if prev is not None:
             self._demand.append(self._want + prev.bottom + prev.size - prev.top)
         self._want = 0
+        self.acquires += 1
         self._index = (self._index + 1) % len(self._slots)
         event = self._events[self._index]
         slot = self._slots[self._index]

@@ -517,3 +517,16 @@ def test_many_steps_match_the_mirror(env):
     """10^4 steps on the GPU, 300 on the simulated device (bit-identical to what plain
     copies write: the mirror)."""
     _long_run(env, 10_000 if env.name == "cuda" else 300)
+
+
+def test_resetting_the_stats_does_not_make_entries_look_busy(sim_env):
+    r = Rig(sim_env)
+    for k in range(8):
+        if k == 4:
+            r.c.stats.reset()
+        with r.c.step(graph=r.feed):
+            r.c.copy(Site.A, r.a[:1], np.array([k], np.int32))
+        r.replay()
+    assert r.feed.fallbacks == 0 and r.feed.posts == 8
+    assert [h[0] for h in r.history()] == list(range(8))
+    r.close()
