@@ -312,6 +312,7 @@ class Workload:
         ctx = self.ctx
         ctx.zero(self.dsts)
         contender.step()
+        contender.land()
         ctx.sync()
         bad = [
             i
@@ -346,6 +347,10 @@ class Contender:
     def step(self) -> None:
         """Issue one step's copies (asynchronously)."""
         raise NotImplementedError
+
+    def land(self) -> None:
+        """Whatever lands a step's copies after :meth:`step` besides the step itself
+        (nothing, except for a contender whose copies ride in a graph replay)."""
 
     def work_ops(self, steps: int) -> float | None:
         """Copies and launches enqueued per step (event records not counted)."""
@@ -399,6 +404,7 @@ def copier_ops(copier) -> float | None:
         return None
     eager = sum(s.eager for s in st.sites.values())
     m = st.modes
+    # a segment landed by a graph's own node ("graph") costs no operation of its own
     return (2 * m["dma"] + m["mapped"] + m["inline"] + eager) / st.steps
 
 
@@ -445,6 +451,51 @@ class CucopyAutoPinned(CucopyAuto):
         for p, v in zip(wl.pinned_np, wl.values):
             p[:] = v
         self._pairs = list(zip(wl.dsts, wl.pinned))
+
+
+class CucopyGraphFeed(CucopyContender):
+    """The step's merged copies landed by a scatter node inside the replayed graph.
+
+    Not a step-cost contender (its copies need a graph to ride in): the decode loop
+    captures its replay graph with this contender's :attr:`feed` node first
+    (``body`` launches the graph's own work into the capture), and replays it with
+    :meth:`launch`.
+    """
+
+    name = "cucopy_graph"
+    description = (
+        "merged: landed inside the replayed graph by its captured scatter node "
+        "(copier.capture_inputs, step(graph=feed), feed.replay): no launch of its own"
+    )
+    embeds_graph = True
+
+    def __init__(self, ctx, wl, body=None):
+        if ctx.kind != "gpu":
+            raise Unavailable("needs a GPU (the replay graph is a CUDA graph)")
+        super().__init__(ctx, wl, PLAN, "auto")
+        stream = ctx.cp_stream
+        stream.begin_capture()
+        try:
+            self.feed = self.copier.capture_inputs(blocks=64)
+            if body is not None:
+                body(stream)
+        finally:
+            self.graph = stream.end_capture()
+
+    def step(self):
+        copier = self.copier
+        copy = copier.copy
+        site = Site.INPUT
+        with copier.step(graph=self.feed):
+            for d, v in self._pairs:
+                copy(site, d, v)
+
+    def launch(self) -> None:
+        """Replay the graph on the context's stream, landing the last step's copies."""
+        self.feed.replay(self.graph)
+
+    def land(self) -> None:
+        self.launch()
 
 
 class TorchChain(Contender):

@@ -59,6 +59,15 @@ extern "C" __global__ void bench_replay(unsigned long long* stamps, unsigned int
 """
 
 
+class _FedGraph:
+    """The replay graph of a contender that captured it around its own scatter node."""
+
+    def __init__(self, graph: ReplayGraph, contender):
+        self.reset = graph.reset
+        self.gaps_us = graph.gaps_us
+        self.launch = contender.launch
+
+
 class NoCopies(devmod.Contender):
     """The floor: replays back to back, no copies between them."""
 
@@ -93,18 +102,23 @@ class ReplayGraph:
         self.counter = cp.zeros(1, dtype=cp.uint32)
         kernel = cp.RawKernel(_REPLAY_SOURCE, "bench_replay")
         args = (self.stamps, self.counter, np.uint64(int(duration_us * 1e3)), np.uint32(cap))
+        self._kernel, self._args = kernel, args
         side = cp.cuda.Stream(non_blocking=True)
         with side:
             kernel((1,), (1,), args)  # compile and load before capture
         side.synchronize()
         side.begin_capture()
         try:
-            with side:
-                kernel((1,), (1,), args)
+            self.body(side)
         finally:
             graph = side.end_capture()
         self.graph = graph
         self.reset()
+
+    def body(self, stream) -> None:
+        """Launch the replay's work on ``stream`` (into a capture)."""
+        with stream:
+            self._kernel((1,), (1,), self._args)
 
     def reset(self) -> None:
         """Forget the stamps."""
@@ -195,7 +209,7 @@ def run(
     if ctx.kind != "gpu":
         out["notes"].append("needs a GPU: nothing measured on the simulated device")
         return out
-    classes = [NoCopies, *devmod.ALL]
+    classes = [NoCopies, *devmod.ALL, devmod.CucopyGraphFeed]
     classes = [c for c in classes if contenders is None or c.name in contenders or c is NoCopies]
     progress = progress or common.Progress(enabled=False)
     progress.add(jobs(ctx, contenders))
@@ -211,14 +225,21 @@ def run(
     for cls in classes:
         out["contenders"][cls.name] = cls.description
         notes = []
-        c = devmod.build(cls, ctx, wl, notes)
+        make = cls
+        if getattr(cls, "embeds_graph", False):  # captures the replay's work around its node
+
+            def make(ctx, wl, cls=cls):
+                return cls(ctx, wl, body=graph.body)
+
+        c = devmod.build(make, ctx, wl, notes)
         if c is not None:
+            g = _FedGraph(graph, c) if getattr(cls, "embeds_graph", False) else graph
             try:
-                loop(ctx, graph, c.step, min(steps, 20), False)  # warm-up
+                loop(ctx, g, c.step, min(steps, 20), False)  # warm-up
                 for mode in modes:
                     if c.copier is not None:
                         c.copier.stats.reset()
-                    gaps, wall = loop(ctx, graph, c.step, steps, mode == "synced")
+                    gaps, wall = loop(ctx, g, c.step, steps, mode == "synced")
                     row = {
                         "contender": cls.name,
                         "mode": mode,

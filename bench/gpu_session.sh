@@ -138,6 +138,10 @@ else
     programs=(-m pytest -q -p no:cacheprovider -m gpu tests/test_properties_env.py -k "match_the_model and cuda")
     step memcheck_programs 150 "$sanitizer" --tool memcheck --error-exitcode 99 "$PY" "${programs[@]}"
     step racecheck_programs 150 "$sanitizer" --tool racecheck --error-exitcode 99 "$PY" "${programs[@]}"
+    # the graph feed's kernel (a captured node reading its mailbox, replays with and
+    # without steps, a stalled stream, random programs) under the memory checker
+    feed_tests=(-m pytest -q -p no:cacheprovider -m gpu tests/test_feed.py -k "cuda and not many_steps")
+    step memcheck_feed 70 "$sanitizer" --tool memcheck --error-exitcode 99 "$PY" "${feed_tests[@]}"
 fi
 
 # shellcheck disable=SC2086  # BENCH_ARGS is a list of options
@@ -148,6 +152,9 @@ step hot_path 40 "$PY" bench/probes/hot_path.py --n 32
 step step_phases 60 "$PY" bench/probes/step_phases.py --n 32
 # a copy's host cost as a multiple of an empty call (simulated device, both staging paths)
 step host_ratio 60 "$PY" bench/host_ratio.py --steps 1000 --json "$work/bench/host_ratio.json"
+# issue 15: the graph feed's mailbox node against per-step parameter updates and
+# today's separate inline launch (GPU periods behind a stall, host us per step)
+step graph_feed 45 "$PY" bench/probes/graph_feed.py --n 32 --json "$work/bench/graph_feed.json"
 for ex in examples/*.py; do
     [[ -f "$ex" ]] || continue
     [[ $(basename "$ex") == hf_continuous_batching.py ]] && continue # its own steps below

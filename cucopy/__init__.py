@@ -6,6 +6,7 @@ from .buffer import DeviceCopyBuffer
 from .check import expect_landed
 from .copier import DeviceCopier, active_copier, copy, fill_tail, flush
 from .errors import CopyError
+from .feed import GraphFeed
 from .plan import CopyPlan
 from .sites import D2D, FILL, H2D, CopySite, Direction
 from .stats import CopyStats, SiteStats
@@ -21,6 +22,7 @@ __all__ = [
     "DeviceCopyBuffer",
     "Direction",
     "FILL",
+    "GraphFeed",
     "H2D",
     "SiteStats",
     "active_copier",

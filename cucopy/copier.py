@@ -12,6 +12,7 @@ import numpy as np
 from . import _layout, check, pack
 from .adapters import ArrayInfo, fingerprint_fn, readonly_hint, resolve
 from .errors import CopyError
+from .feed import GraphFeed
 from .plan import CopyPlan
 from .ring import DEMAND_WINDOW, StagingRing, WindowMax, free_orphans, orphan
 from .segment import BARRIER, FULL, ORDER, Segment, fits_shape
@@ -70,18 +71,25 @@ def make_backend(backend=None, device=None):
 
 
 class _Step:
-    """What :meth:`DeviceCopier.step` returns: ``begin()`` on entry; ``flush()`` on exit,
-    ``discard()`` on an exception (a class, not a generator: about a microsecond a
-    step less on the GPU's host)."""
+    """What :meth:`DeviceCopier.step` returns: ``begin()`` on entry; on exit ``flush()``
+    (a graph step: left for its replay), ``discard()`` on an exception (a class, not a
+    generator: about a microsecond a step less on the GPU's host)."""
 
-    __slots__ = ("_copier",)
+    __slots__ = ("_copier", "_graph")
 
-    def __init__(self, copier: DeviceCopier):
+    def __init__(self, copier: DeviceCopier, graph=None):
         self._copier = copier
+        self._graph = graph
 
     def __enter__(self) -> DeviceCopier:
         c = self._copier
+        graph = self._graph
         c._live()
+        if graph is not None and (not isinstance(graph, GraphFeed) or graph._copier is not c):
+            raise ValueError(
+                f"step(graph=...): expected a GraphFeed made by this copier's "
+                f"capture_inputs(), got {graph!r}"
+            )
         if c._stepping:
             raise CopyError(
                 "step(): a step() block of this copier is already open; nested step() "
@@ -89,6 +97,14 @@ class _Step:
                 "flush() for a barrier inside the step"
             )
         c.begin()
+        if graph is not None:
+            if c._capturing:
+                c.discard()
+                raise CopyError(
+                    "step(graph=...): the copier's stream is capturing; a graph step feeds "
+                    "a replay, so run it outside the capture"
+                )
+            c._feed = graph
         c._stepping = True
         return c
 
@@ -104,7 +120,10 @@ class _Step:
                     exc.add_note(f"cucopy: while discarding: {drop_error}")
             return False
         try:
-            c.flush()
+            if self._graph is None:
+                c.flush()
+            else:
+                c._end_graph_step()
         finally:
             c._in_step = c._seg.fast = False
         return False
@@ -196,6 +215,9 @@ class DeviceCopier:
         self._owner = None
         self._slot = None
         self._checker = None
+        self._feeds: list[GraphFeed] = []  # nodes captured by capture_inputs()
+        self._feed = None  # the feed of the open step(graph=...)
+        self._feed_pending = None  # a graph step ended: its segment waits for this feed's replay
         # the open segment: staging, ordering, encoding (compiled when built)
         merge_h2d = frozenset(s for s in self._merge if s.direction is _H2D)
         merge_fill = frozenset(s for s in self._merge if s.direction is _FILL)
@@ -291,6 +313,8 @@ class DeviceCopier:
                 except BaseException:
                     orphan(self._ring)  # what was not freed is retried with the orphans
                     raise
+            for feed in self._feeds:  # the ring's close waited for the device
+                feed.close()
             free_orphans(wait=True)
 
     def __enter__(self) -> DeviceCopier:
@@ -340,6 +364,7 @@ class DeviceCopier:
             # mode's deferred claims: a new checker must not forget them
             self.flush()
         self._in_step = seg.fast = False
+        self._feed = self._feed_pending = None
         self._checker = checker = check.Checker(self) if check.CHECK_MODE else None
         self._capturing = capturing = self._backend.is_capturing(self._stream)
         if not capturing:
@@ -435,8 +460,18 @@ class DeviceCopier:
             site, exc = first
             raise CopyError(f"{_label(site)}: on_drop raised {exc!r}") from exc
 
-    def step(self) -> _Step:
+    def step(self, graph: GraphFeed | None = None) -> _Step:
         """``begin()``; on exit ``flush()``; on an exception ``discard()`` and re-raise.
+
+        Parameters
+        ----------
+        graph : GraphFeed, optional
+            A graph step: on exit the copies still staged are not launched but left
+            for ``graph``'s next :meth:`GraphFeed.replay`, whose scatter node lands
+            them inside the engine's graph. Barriers (``flush_after`` sites,
+            :meth:`flush`) inside the step land at once, as in any step. If the
+            copier's next step, flush, eager copy or close comes first, the copies
+            land then, through an ordinary launch. See :mod:`cucopy.feed`.
 
         Raises
         ------
@@ -444,9 +479,170 @@ class DeviceCopier:
             When a ``step()`` block of this copier is already open: the inner block's
             exit would end the outer step. The open step is left as it was. (Use
             :meth:`flush` for a barrier inside a step; :meth:`begin` ends the step and
-            starts the next.)
+            starts the next.) Also for a graph step while the stream captures.
+        ValueError
+            When ``graph`` is not a feed of this copier.
         """
-        return _Step(self)
+        return _Step(self, graph)
+
+    # -- graph feeds ------------------------------------------------------------------
+
+    def capture_inputs(self, *, blocks: int = 128) -> GraphFeed:
+        """Capture the scatter as a node of the graph the copier's stream is capturing.
+
+        Call it inside the engine's capture, before the nodes that read the copies'
+        destinations. Then each step runs as ``with copier.step(graph=feed):`` and the
+        graph replays with ``feed.replay(graph)``: the node lands that step's merged
+        copies inside the replay (no launch of their own). A replay with no step
+        posted for it (none since the last replay, an empty or discarded one, or one
+        whose copies all landed at barriers) lands nothing. See :mod:`cucopy.feed`.
+
+        Parameters
+        ----------
+        blocks : int
+            Thread blocks of the node, fixed at capture; a segment needing more is
+            run in rounds by the same blocks (a step of N = 32 copies of the
+            decode mix needs about 40).
+
+        Returns
+        -------
+        GraphFeed
+
+        Raises
+        ------
+        CopyError
+            When the stream is not capturing, a step is open, or copies are staged.
+        ValueError
+            On a bad ``blocks``.
+        """
+        self._live()
+        if isinstance(blocks, bool) or not isinstance(blocks, int) or not 1 <= blocks <= 65535:
+            raise ValueError(f"blocks: expected an int in [1, 65535], got {blocks!r}")
+        if self._in_step:
+            raise CopyError(
+                "capture_inputs(): a step of this copier is open; call it inside the "
+                "graph capture, outside any step"
+            )
+        if self._seg.staged:
+            raise CopyError(
+                f"capture_inputs(): {self._seg.staged} copies are staged; land them "
+                "(flush()) before the capture begins"
+            )
+        if not self._backend.is_capturing(self._stream):
+            raise CopyError(
+                "capture_inputs(): the copier's stream is not capturing a graph; call it "
+                "inside the capture, where the scatter node belongs (before the nodes "
+                "that read the copies' destinations)"
+            )
+        feed = GraphFeed(self, blocks)
+        self._feeds.append(feed)
+        return feed
+
+    def _end_graph_step(self) -> None:
+        """A graph step's end: its open segment waits for its feed's next replay."""
+        self._live()
+        seg = self._seg
+        if seg.staged:
+            self._refuse_capture_change(seg.entries[0].site)
+            self._feed_pending = self._feed
+        else:
+            if self._checker is not None:
+                self._checker.verify_pending()
+            self._feed_pending = None
+
+    def _replay_feed(self, feed: GraphFeed, graph) -> None:
+        """:meth:`GraphFeed.replay`: post the pending graph step (if any), then replay."""
+        self._live()
+        if self._in_step:
+            raise CopyError(
+                f"graph feed {feed.index}: replay() while a step of this copier is open; "
+                "leave the step(graph=feed) block first (its end leaves the copies for "
+                "this replay)"
+            )
+        feed._check_replays()
+        pending, self._feed_pending = self._feed_pending, None
+        if pending is not None and self._seg.staged:
+            if pending is feed:
+                self._post_feed(feed, graph)
+                return
+            self._flush_segment()  # another feed's step: it lands first, in program order
+        try:
+            self._backend.graph_launch(graph, self._stream)
+        except CopyError:
+            raise
+        except Exception as exc:
+            raise CopyError(
+                f"graph feed {feed.index}: replaying {graph!r} failed: {exc!r}"
+            ) from exc
+        feed._replays += 1
+
+    def _post_feed(self, feed: GraphFeed, graph) -> None:
+        """Cut the open segment, write it to ``feed``'s mailbox for the next replay, replay."""
+        seg = self._seg
+        entries = seg.entries
+        slot = self._slot
+        be = self._backend
+        tag = feed._replays + 1
+        posted = False
+        try:
+            if self._checker is not None:
+                self._checker.before_flush(entries)
+            start, end, nblocks, n = seg.cut(-1)
+            total = end - start
+            head = pack.HEADER_BYTES + n * pack.DESC_BYTES
+            pin = slot.pinned
+            turn = self._ring.acquires
+            if pack.align(head) <= pack.FEED_CAPACITY and not feed._busy(tag, turn):
+                # the header and table ride in the entry (one read for the node); the
+                # data stays in the slot, which the ring keeps until the replay ran
+                feed._post(
+                    tag,
+                    pin.device_ptr + start,
+                    slot.mv[start : start + min(total, pack.align(head))],
+                    turn,
+                )
+                posted = True
+                how = "graph"
+            else:
+                # an ordinary launch right before the replay: a table larger than an
+                # entry, or an entry an earlier replay may still read
+                feed.fallbacks += 1
+                cmax = self._carry_max
+                if total <= cmax:
+                    be.scatter(
+                        pin.device_ptr + start, nblocks, self._stream, True, total, pin.ptr + start
+                    )
+                    how = "inline"
+                else:
+                    carry = pack.align(head) if head <= cmax else 0
+                    be.scatter(
+                        pin.device_ptr + start, nblocks, self._stream, True, carry, pin.ptr + start
+                    )
+                    how = "mapped"
+            slot.dirty = True  # read when the replay runs: the slot's event follows it
+            be.graph_launch(graph, self._stream)
+        except BaseException as exc:
+            if posted:
+                feed._unpost(tag)
+            seg.reset()
+            seg.set_cursor(pack.align(seg.cursor))
+            slot.dirty = True
+            try:
+                self._run_drops(entries)
+            except CopyError:
+                pass
+            if isinstance(exc, CopyError) or not isinstance(exc, Exception):
+                raise
+            raise CopyError(
+                f"graph feed {feed.index}: replaying with {len(entries)} staged copies "
+                f"failed: {exc!r}; their on_drop callbacks ran"
+            ) from exc
+        feed._replays += 1
+        st = self.stats
+        st.segments += 1
+        st.modes[how] = st.modes.get(how, 0) + 1
+        st.bytes_staged += total
+        seg.finish()
 
     @contextlib.contextmanager
     def activate(self):
@@ -968,6 +1164,8 @@ class DeviceCopier:
 
     def _outside(self, site, d, s, fill) -> bool:
         """An eager copy outside a step, snapshotted through the current slot."""
+        if self._seg.staged:  # a graph step not replayed yet: it comes first in program order
+            self._flush_segment()
         nbytes = d.nbytes if fill is None else (d.size - fill[0]) * d.dtype.itemsize
         slot = self._slot
         # pinned bytes the copy writes at the call: an H2D snapshot, or the tail of a

@@ -43,6 +43,13 @@ __all__ = [
     "split",
     "encode",
     "decode",
+    "FEED_ENTRY_DTYPE",
+    "FEED_ENTRY_BYTES",
+    "FEED_HEAD_BYTES",
+    "FEED_CAPACITY",
+    "FEED_STATUS_BYTES",
+    "FEED_ENTRY_POINT",
+    "FEED_MAX",
 ]
 
 MAGIC = 0x59504343  # b"CCPY" little-endian
@@ -177,6 +184,34 @@ def carry_capacity(nbytes: int, capacities=CARRY_CAPACITIES) -> int:
 
 
 assert HEADER_BYTES == 32 and DESC_BYTES == 48, "internal: wire format size changed"
+
+# Graph feeds (scatter.cu, cucopy_scatter_feed; cucopy.feed): a scatter node captured
+# once in an engine's CUDA graph reads, at each replay, a mailbox in mapped pinned
+# memory: ``entries`` entries of FEED_ENTRY_BYTES, then FEED_STATUS_BYTES. Replay r
+# (1, 2, ... counted on the device, per feed) reads entry ``r % entries`` and applies
+# it only when its ``tag`` is r. An entry is its FEED_ENTRY_DTYPE head followed by
+# the segment's first ``nbytes`` bytes (at least the header and the whole table, as a
+# carried launch takes them); bytes past ``nbytes`` are read at ``seg`` (the ring
+# slot's mapped address). The status area's first 8 bytes receive the device's replay
+# count after each replay (how the host notices replays it did not issue).
+FEED_ENTRY_DTYPE = np.dtype(
+    [
+        ("tag", "<u8"),  # the replay this entry is for (0: none)
+        ("seg", "<u8"),  # device address of the whole segment
+        ("nbytes", "<u4"),  # segment bytes copied after the head
+        ("reserved", "<u4"),
+        ("reserved2", "<u8"),
+    ]
+)
+FEED_HEAD_BYTES = FEED_ENTRY_DTYPE.itemsize
+FEED_ENTRY_BYTES = 16384
+FEED_CAPACITY = FEED_ENTRY_BYTES - FEED_HEAD_BYTES
+FEED_STATUS_BYTES = 64
+FEED_ENTRY_POINT = "cucopy_scatter_feed"
+#: Feeds a process may capture per device: each has a replay counter in the feed
+#: kernel's module (zero when the module loads, never reused)
+FEED_MAX = 4096
+assert FEED_HEAD_BYTES == 32, "internal: feed entry head size changed"
 
 
 def align(n: int, a: int = ALIGN) -> int:

@@ -210,6 +210,8 @@ class StagingRing:
         self._slots: list[Slot | None] = [None] * slots
         self._events = [backend.event_create() for _ in range(slots)]
         self._index = -1
+        #: slots acquired so far: acquire ``n`` waited for the work of acquire ``n - slots``
+        self.acquires = 0
         self._demand = WindowMax(DEMAND_WINDOW)
         self._peak = -1  # the demand _target_size was computed for
         self._target_size = capacity
@@ -226,6 +228,15 @@ class StagingRing:
     def slots(self) -> int:
         """Number of slots."""
         return len(self._slots)
+
+    @property
+    def index(self) -> int:
+        """Index of the current slot (-1 before the first :meth:`acquire`)."""
+        return self._index
+
+    def event_at(self, index: int):
+        """The event of slot ``index``: recorded after the last work of that slot's step."""
+        return self._events[index]
 
     def note_overflow(self, nbytes: int) -> None:
         """Record ``nbytes`` a step wanted but its slot could not hold (grows the next one)."""
@@ -251,6 +262,7 @@ class StagingRing:
         if prev is not None:
             self._demand.append(self._want + prev.bottom + prev.size - prev.top)
         self._want = 0
+        self.acquires += 1
         self._index = (self._index + 1) % len(self._slots)
         event = self._events[self._index]
         slot = self._slots[self._index]

@@ -18,11 +18,16 @@ Each step the host builds new inputs in NumPy, then the same loop runs twice:
   ``copier.flush()`` right before ``graph.replay()``);
 - ``plain``: the classic chain of ``copy_(non_blocking=True)`` from pinned tensors and
   ``fill_()`` calls; before refilling the pinned tensors the host waits on an event
-  recorded after the previous step's copies.
+  recorded after the previous step's copies;
+- ``graph`` (embedded): the same uploads through the same sites, landed by cucopy's
+  scatter captured as the first node of a second graph of the step
+  (``copier.capture_inputs()`` inside ``torch.cuda.graph``); each step runs in
+  ``copier.step(graph=feed)`` and the graph replays with ``feed.replay(graph)``, so the
+  copies cost no launch of their own.
 
-Both loops keep every step's logits (a device clone after the replay) and a snapshot
+All loops keep every step's logits (a device clone after the replay) and a snapshot
 of the four input buffers. The script checks that the logits of the two loops are
-bit-identical (``torch.equal``) and that the input buffers hold exactly what a host
+bit-identical (``torch.equal``) with the plain loop's and that the input buffers hold exactly what a host
 mirror of the writes says, and exits 1 otherwise. It prints the median step time of
 each loop (GPU time between CUDA events recorded at the start and end of each step,
 and the host time to issue the step), the wall time per step, and ``copier.stats``.
@@ -343,8 +348,24 @@ def capture(w: dict, bufs: Buffers, shape: Shape):
     return graph, logits
 
 
-def cuda_loop(name, shape, args, bufs, stream, issue, graph, logits) -> LoopResult:
-    """Run ``args.steps`` steps: ``issue(inp)`` uploads the inputs, then the graph replays."""
+def capture_fed(w: dict, bufs: Buffers, shape: Shape, copier, stream):
+    """Capture the decode step behind the copier's scatter node (the embedded mode).
+
+    Returns the graph, its static logits and the feed that lands each step's copies in
+    it. :func:`capture` has warmed the step up already.
+    """
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        feed = copier.capture_inputs()  # first: the model's kernels read what it lands
+        logits = decode_step(w, *bufs.all(), shape.page)
+    torch.cuda.synchronize()
+    return graph, logits, feed
+
+
+def cuda_loop(name, shape, args, bufs, stream, issue, graph, logits, replay=None) -> LoopResult:
+    """Run ``args.steps`` steps: ``issue(inp)`` uploads the inputs, then the graph replays
+    (``replay()``, by default ``graph.replay()``)."""
+    replay = replay or graph.replay
     _reset_cuda(bufs)
     outs, snaps, events, host_us = [], [], [], []
     with torch.cuda.stream(stream):
@@ -357,7 +378,7 @@ def cuda_loop(name, shape, args, bufs, stream, issue, graph, logits) -> LoopResu
             t0 = time.perf_counter_ns()
             start.record(stream)
             issue(inp)
-            graph.replay()
+            replay()
             end.record(stream)
             host_us.append((time.perf_counter_ns() - t0) / 1e3)
             events.append((start, end))
@@ -406,11 +427,30 @@ def run_cuda(args, shape: Shape):
         stats = copier.stats
 
     plain = cuda_loop("plain", shape, args, bufs, stream, uploader, graph, logits)
+
+    # the embedded mode: the same uploads, landed by the scatter node inside the graph
+    with cc.DeviceCopier(plan=PLAN, stream=stream, device=index, backend="cuda") as fed:
+        fgraph, flogits, feed = capture_fed(w, bufs, shape, fed, stream)
+
+        def issue_fed(inp):
+            with fed.step(graph=feed):  # the step's end leaves its copies for the replay
+                upload_cucopy(shape, bufs, inp)
+
+        def replay():
+            feed.replay(fgraph)  # the node lands them, then the model runs
+
+        with fed.activate():
+            cuda_loop("graph", shape, warm, bufs, stream, issue_fed, fgraph, flogits, replay)
+            fed.stats.reset()
+            embedded = cuda_loop(
+                "graph", shape, args, bufs, stream, issue_fed, fgraph, flogits, replay
+            )
+        fstats = fed.stats
     env = {
         "device": torch.cuda.get_device_name(device),
         "torch_cuda": torch.version.cuda,
     }
-    return merged, plain, stats, env
+    return merged, plain, stats, env, embedded, fstats
 
 
 # -- the simulated device -------------------------------------------------------------------
@@ -423,30 +463,47 @@ def run_sim(args, shape: Shape):
     stream = dev.stream("decode")
     w = make_weights(shape, "cpu", args.seed)
     bufs = Buffers(shape, lambda size: dev.empty(size, np.int32))
-    results, stats = [], None
-    for name, plan in (("cucopy", PLAN), ("plain", None)):
+    results, stats = [], {}
+    for name, plan in (("cucopy", PLAN), ("plain", None), ("graph", PLAN)):
         for buf, pad in zip(bufs.all(), (-1, -1, 0, -1)):
             buf[...] = pad  # a blocking write
         outs, snaps, host_us = [], [], []
         with cc.DeviceCopier(plan=plan, stream=stream, device=dev, backend="sim") as copier:
+            seen: list = []
+            if name == "graph":
+                # the embedded mode: a graph of [cucopy's scatter node, a reader of the
+                # buffers] (the reader stands in for the model's kernels)
+                with dev.capture(stream) as graph:
+                    feed = copier.capture_inputs()
+                    stream.launch(
+                        lambda seen=seen: seen.append([dev.raw(b).copy() for b in bufs.all()])
+                    )
             with copier.activate():
                 t_loop = time.perf_counter_ns()
                 for step in range(args.steps):
                     inp = make_inputs(shape, step, args.seed)
                     t0 = time.perf_counter_ns()
-                    with copier.step():
-                        upload_cucopy(shape, bufs, inp)
-                        copier.flush()
+                    if name == "graph":
+                        with copier.step(graph=feed):
+                            upload_cucopy(shape, bufs, inp)
+                        feed.replay(graph)
+                    else:
+                        with copier.step():
+                            upload_cucopy(shape, bufs, inp)
+                            copier.flush()
                     host_us.append((time.perf_counter_ns() - t0) / 1e3)
-                    # the "replay": read the buffers back (running the queued copies) and step
-                    host = [dev.to_host(buf) for buf in bufs.all()]
+                    if name == "graph":  # what the graph's reader saw at this replay
+                        dev.synchronize()
+                        host = seen[-1]
+                    else:  # the "replay": read the buffers back (running the queued copies)
+                        host = [dev.to_host(buf) for buf in bufs.all()]
                     outs.append(decode_step(w, *map(torch.from_numpy, host), shape.page))
                     snaps.append(np.concatenate([h.reshape(-1) for h in host]))
                 wall = (time.perf_counter_ns() - t_loop) / 1e3 / args.steps
-            if name == "cucopy":
-                stats = copier.stats
+            stats[name] = copier.stats
         results.append(LoopResult(name, outs, snaps, [], host_us, wall))
-    return results[0], results[1], stats, {"device": repr(dev)}
+    merged, plain, embedded = results
+    return merged, plain, stats["cucopy"], {"device": repr(dev)}, embedded, stats["graph"]
 
 
 def host_reference(shape: Shape, args, mirrors: list) -> LoopResult:
@@ -520,21 +577,21 @@ def main(argv=None) -> int:
     shape = Shape(batch=args.batch)
 
     if args.sim:
-        merged, plain, stats, extra = run_sim(args, shape)
+        merged, plain, stats, extra, embedded, estats = run_sim(args, shape)
     else:
-        merged, plain, stats, extra = run_cuda(args, shape)
+        merged, plain, stats, extra, embedded, estats = run_cuda(args, shape)
     mirror = HostMirror(shape)
     expected = []
     for step in range(args.steps):
         mirror.apply(make_inputs(shape, step, args.seed))
         expected.append(mirror.flat())
-    errors = compare(merged, plain, expected)
+    errors = compare(merged, plain, expected) + compare(embedded, plain, expected)
     if args.sim and not errors:  # on CPU the step itself is exact: compare with the host too
         errors = compare(merged, host_reference(shape, args, expected), expected)
 
     where = "simulated device (host times)" if args.sim else extra["device"]
     print(f"torch_decode_loop: {args.steps} steps, batch {args.batch}, on {where}")
-    for r in (merged, plain):
+    for r in (merged, plain, embedded):
         s = r.summary()
         gpu = f"gpu {s['median_gpu_us']:9.1f} us/step" if s["median_gpu_us"] is not None else ""
         print(
@@ -542,9 +599,10 @@ def main(argv=None) -> int:
             f"wall {s['wall_us_per_step']:9.1f} us/step"
         )
     print(stats)
+    print("graph (embedded):", estats)
     ok = not errors
     if ok:
-        what = "cucopy vs plain uploads"
+        what = "cucopy and graph vs plain uploads"
         if args.sim:
             what += " vs the host reference"
         print(
@@ -562,7 +620,9 @@ def main(argv=None) -> int:
             "environment": environment(extra),
             "cucopy": merged.summary(),
             "plain": plain.summary(),
+            "graph": embedded.summary(),
             "stats": stats.as_dict(),
+            "graph_stats": estats.as_dict(),
             "match": ok,
             "errors": errors[:10],
         }

@@ -101,3 +101,43 @@ def test_a_2d_copy_with_pitches_past_the_devices_maximum_is_cut_into_rows(monkey
     calls.clear()
     be.copy2d(False, 1 << 40, 64, 1 << 41, 128, 8, 3, 7)  # small pitches: one 2-D copy
     assert calls == [("2d", 1 << 40, 64, 1 << 41, 128, 8, 3, 3, 7)]
+
+
+def test_feed_capture_launches_the_feed_kernel_with_its_mailbox(monkeypatch):
+    """capture_inputs() enqueues cucopy_scatter_feed(box, entries, feed, status) once, on
+    the capturing stream; each call gets a new replay counter."""
+    be = object.__new__(CudaBackend)
+    be.device = 0
+    be._kern = types.SimpleNamespace(feed=0x4321)
+    out = []
+
+    def launch(fn, gx, gy, gz, bx, by, bz, shmem, stream, params, extra):
+        args = cuda_backend._FeedArgs.from_address(
+            cuda_backend.ctypes.c_void_p.from_address(params).value
+        )
+        out.append((fn, gx, bx, stream, args.box, args.entries, args.feed, args.status))
+
+    monkeypatch.setattr(cuda_backend, "_launch", launch)
+    monkeypatch.setattr(cuda_backend, "_getDevice", lambda: 0)
+    monkeypatch.setattr(cuda_backend, "_feed_ids", {})
+    first = be.feed_capture(0x1000, 4, 64, 0x2000, 0x77)
+    second = be.feed_capture(0x3000, 2, 8, 0, 0x77)
+    assert (first, second) == (0, 1)
+    assert out[0] == (0x4321, 64, 256, 0x77, 0x1000, 4, 0, 0x2000)
+    assert out[1][4:] == (0x3000, 2, 1, 0)
+    with pytest.raises(ValueError, match=r"blocks must be in \[1, 65535\], got 0"):
+        be.feed_capture(0x1000, 4, 0, 0, 0x77)
+
+
+def test_graph_launch_dispatches_by_kind(monkeypatch):
+    be = object.__new__(CudaBackend)
+    be.device = 0
+    calls = []
+    monkeypatch.setattr(
+        cuda_backend, "_rt", types.SimpleNamespace(graphLaunch=lambda g, s: calls.append((g, s)))
+    )
+    be.graph_launch(0xABC, 0x77)  # a raw cudaGraphExec_t
+    be.graph_launch(lambda: calls.append("callable"), 0x77)
+    assert calls == [(0xABC, 0x77), "callable"]
+    with pytest.raises(TypeError, match="graph: expected a cudaGraphExec_t"):
+        be.graph_launch(object(), 0x77)

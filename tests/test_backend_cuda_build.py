@@ -78,6 +78,7 @@ def test_each_entry_point_is_its_own_module(fake):
     assert k.caps == pack.CARRY_CAPACITIES
     assert k.scatter == _Kernel("cucopy_scatter").kernel.ptr
     assert k.fill == _Kernel("cucopy_fill").kernel.ptr
+    assert k.feed == _Kernel(pack.FEED_ENTRY_POINT).kernel.ptr
     for cap, name in zip(pack.CARRY_CAPACITIES, pack.CARRY_ENTRY_POINTS):
         assert k.carried[cap] == _Kernel(name).kernel.ptr
     # every worker bound the device before building on it
@@ -123,7 +124,14 @@ def test_an_old_driver_gets_the_small_carried_kernels_only(fake):
     k = cb._kernels(0)
     small = tuple(c for c in pack.CARRY_CAPACITIES if c <= cb._SMALL_PARAMS_MAX)
     assert k.caps == small
-    assert len(built) == 2 + len(small)
+    assert len(built) == 3 + len(small)  # scatter, fill, the graph feed and the small carried
+
+
+def test_a_feed_kernel_that_fails_leaves_the_copier_working(fake):
+    _, _, fail = fake
+    fail.add(pack.FEED_ENTRY_POINT)  # only capture_inputs() needs it
+    k = cb._kernels(0)
+    assert k.feed == 0 and k.caps == pack.CARRY_CAPACITIES
 
 
 def test_a_large_carried_kernel_that_fails_leaves_the_small_ones(fake):

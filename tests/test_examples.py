@@ -84,6 +84,8 @@ def test_torch_decode_loop_sim_json(tmp_path):
     assert data["args"]["batch"] == 4
     assert data["stats"]["steps"] == 5
     assert data["stats"]["sites"]["Site.TOKENS"]["merged"] == 5
+    assert data["graph_stats"]["modes"]["graph"] == 5  # the embedded loop's node landed each
+    assert data["graph_stats"]["sites"]["Site.TOKENS"]["merged"] == 5
     assert data["cucopy"]["median_host_us"] > 0
     assert {"python", "numpy", "torch"} <= set(data["environment"])
 
@@ -188,6 +190,8 @@ def test_torch_decode_loop_gpu(extra, tmp_path):
     assert data["cucopy"]["median_gpu_us"] > 0 and data["plain"]["median_gpu_us"] > 0
     sites = data["stats"]["sites"]
     assert all(not s["fallback"] for s in sites.values()), sites  # everything merged
+    assert data["graph"]["median_gpu_us"] > 0
+    assert data["graph_stats"]["modes"]["graph"] == data["graph_stats"]["steps"]
 
 
 @pytest.mark.gpu

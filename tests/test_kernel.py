@@ -17,7 +17,11 @@ from cucopy import kernels, pack
 
 ARCHS = ("sm_80", "sm_90")
 
-STRUCTS = {"CucopyHeader": pack.HEADER_DTYPE, "CucopyDesc": pack.DESC_DTYPE}
+STRUCTS = {
+    "CucopyHeader": pack.HEADER_DTYPE,
+    "CucopyDesc": pack.DESC_DTYPE,
+    "CucopyFeedEntry": pack.FEED_ENTRY_DTYPE,
+}
 
 # NVRTC has no <cstddef>.
 _PRELUDE = "#define CUCOPY_OFFSETOF(T, f) __builtin_offsetof(T, f)\n"
@@ -134,6 +138,25 @@ def carry_asserts(capacities=pack.CARRY_CAPACITIES, prefix=pack.CARRY_PREFIX) ->
 def test_structs_match_pack_layout(nvrtc, arch):
     code = _PRELUDE + kernels.source() + "\n" + layout_asserts() + carry_asserts()
     kernels.compile_ptx(arch, code=code, name="layout_check.cu")
+
+
+def feed_asserts() -> str:
+    """``static_assert`` lines pinning the graph feed's mailbox constants to pack.py."""
+    pairs = {
+        "CUCOPY_FEED_HEAD": pack.FEED_HEAD_BYTES,
+        "CUCOPY_FEED_ENTRY_BYTES": pack.FEED_ENTRY_BYTES,
+        "CUCOPY_FEED_CAPACITY": pack.FEED_CAPACITY,
+        "CUCOPY_FEED_MAX": pack.FEED_MAX,
+    }
+    return "".join(f'static_assert({k} == {v}, "{k} != {v}");\n' for k, v in pairs.items())
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_feed_layout_matches_pack(nvrtc, arch):
+    code = _PRELUDE + kernels.source() + "\n" + feed_asserts()
+    kernels.compile_ptx(arch, code=code, name="feed_check.cu")
+    assert pack.FEED_ENTRY_POINT == kernels.ENTRY_POINTS[-1]
+    assert pack.FEED_CAPACITY % pack.ALIGN == 0
 
 
 def test_carry_layout_check_is_not_vacuous(nvrtc):

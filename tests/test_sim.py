@@ -189,3 +189,26 @@ def test_sim_scatter_carry_must_hold_the_table_and_fit():
     with pytest.raises(ValueError, match="carry=2000"):
         be.scatter(pinned.device_ptr, nblocks, dev.stream(), True, 2000, pinned.ptr)
     pinned.close()
+
+
+def test_a_kernel_node_takes_its_parameters_when_a_replay_is_enqueued():
+    """cuGraphExecKernelNodeSetParams semantics: a replay already enqueued keeps the
+    parameters it was enqueued with; later replays take the new ones."""
+    from cucopy.backends.sim import SimDevice, SimGraph
+
+    dev = SimDevice(policy="lazy")
+    s = dev.stream()
+    seen = []
+    params = bytearray(b"\x07")
+    with dev.capture(s) as g:
+        node = s.launch_node(lambda p: seen.append(p[0]), params)
+    params[0] = 1  # the node copied its parameters at capture
+    assert g.nodes == [node]
+    with s.hold():
+        g.replay(s)
+        g.set_params(node, b"\x09")
+        g.replay(s)
+    s.synchronize()
+    assert seen == [7, 9]
+    with pytest.raises(ValueError, match="is not a node of this graph"):
+        SimGraph().set_params(node, b"\x01")

@@ -169,6 +169,44 @@ class Backend:
         # implemented by the backend
         raise NotImplementedError
 
+    # -- graph feeds -----------------------------------------------------------
+
+    def alloc_feed(self, nbytes: int) -> PinnedBuffer:
+        """Mapped, page-locked memory for a graph feed's mailbox.
+
+        Called while the copier's stream captures a graph: a backend whose
+        allocation is illegal during capture makes it legal here.
+        """
+        return self.alloc_pinned(nbytes)
+
+    def feed_capture(self, box_ptr: int, entries: int, blocks: int, status_ptr: int, stream) -> int:
+        """Enqueue the graph-fed scatter into the graph ``stream`` is capturing.
+
+        The node (``cucopy_scatter_feed``, ``blocks`` thread blocks, parameters
+        fixed at capture) counts its replays on the device; replay ``r`` reads
+        mailbox entry ``r % entries`` at device address ``box_ptr`` (mapped pinned
+        memory, laid out as ``pack.FEED_ENTRY_DTYPE`` heads each followed by
+        carried segment bytes), applies the segment only when the entry's tag is
+        ``r``, then stores ``r`` at ``status_ptr`` (a mapped device address, or 0).
+
+        Returns
+        -------
+        int
+            The feed's index (its replay counter on the device).
+        """
+        # implemented by the backend
+        raise NotImplementedError
+
+    def graph_launch(self, graph, stream) -> None:
+        """Enqueue one replay of ``graph`` on ``stream``.
+
+        ``graph`` is whatever the backend's graphs are (a sim graph; a CuPy graph,
+        a torch ``CUDAGraph`` replayed on torch's current stream, which must be
+        ``stream``, or a raw ``cudaGraphExec_t``), or a callable that launches it.
+        """
+        # implemented by the backend
+        raise NotImplementedError
+
     # -- events ----------------------------------------------------------------
 
     def event_create(self):

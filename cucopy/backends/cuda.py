@@ -45,8 +45,10 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import itertools
 import json
 import os
+import sys
 import threading
 import weakref
 from concurrent.futures import ThreadPoolExecutor
@@ -225,6 +227,20 @@ class _FillArgs(ctypes.Structure):
     ]
 
 
+class _FeedArgs(ctypes.Structure):
+    # scatter.cu's cucopy_scatter_feed(box, entries, feed, status)
+    _fields_ = [
+        ("box", ctypes.c_uint64),
+        ("entries", ctypes.c_uint32),
+        ("feed", ctypes.c_uint32),
+        ("status", ctypes.c_uint64),
+    ]
+
+
+# cuStreamCaptureMode (cuda.h)
+_CAPTURE_MODE_RELAXED = 2
+
+
 class _HoldArgs(ctypes.Structure):
     _fields_ = [("flag", ctypes.c_uint64), ("timeout_ns", ctypes.c_uint64)]
 
@@ -300,13 +316,14 @@ class _Scratch(threading.local):
 
 
 class _Kernels:
-    __slots__ = ("scatter", "fill", "carried", "caps", "_keep")
+    __slots__ = ("scatter", "fill", "carried", "caps", "feed", "_keep")
 
-    def __init__(self, scatter: int, fill: int, carried: dict, keep):
+    def __init__(self, scatter: int, fill: int, carried: dict, keep, feed: int = 0):
         self.scatter = scatter
         self.fill = fill
         self.carried = carried  # capacity -> CUfunction of cucopy_scatter_c*
         self.caps = tuple(sorted(carried))
+        self.feed = feed  # cucopy_scatter_feed (0: it did not build)
         self._keep = keep  # the RawKernels own the CUmodule the handles point into
 
 
@@ -449,7 +466,7 @@ def _kernels(device: int) -> _Kernels:
         for cap, name in zip(pack.CARRY_CAPACITIES, pack.CARRY_ENTRY_POINTS)
         if large or cap <= _SMALL_PARAMS_MAX
     ]
-    names = ["cucopy_scatter", "cucopy_fill", *(name for _, name in caps)]
+    names = ["cucopy_scatter", "cucopy_fill", *(name for _, name in caps), pack.FEED_ENTRY_POINT]
     assert set(names) <= set(kernel_sources.ENTRY_POINTS), "internal: unknown entry point"
     built: dict = {}
     failed: dict = {}
@@ -467,13 +484,48 @@ def _kernels(device: int) -> _Kernels:
     for name in names:
         if name in failed and (name in small or name in ("cucopy_scatter", "cucopy_fill")):
             raise failed[name]
-    if failed:  # a large carried kernel did not build: offer the small ones only, as before
+    if any(name in failed for _, name in caps):
+        # a large carried kernel did not build: offer the small ones only, as before
         caps = [(cap, name) for cap, name in caps if cap <= _SMALL_PARAMS_MAX]
     carried = {cap: built[name].kernel.ptr for cap, name in caps}
     keep = tuple(built[name] for name in names if name in built)
+    feed = built[pack.FEED_ENTRY_POINT].kernel.ptr if pack.FEED_ENTRY_POINT in built else 0
     return _Kernels(
-        built["cucopy_scatter"].kernel.ptr, built["cucopy_fill"].kernel.ptr, carried, keep
+        built["cucopy_scatter"].kernel.ptr, built["cucopy_fill"].kernel.ptr, carried, keep, feed
     )
+
+
+# Graph feeds handed out per device (each index is the feed kernel module's replay
+# counter for one captured node; never reused while the module lives).
+_feed_ids: dict = {}
+_feed_lock = threading.Lock()
+
+
+def _next_feed(device: int) -> int:
+    with _feed_lock:
+        counter = _feed_ids.setdefault(device, itertools.count())
+        index = next(counter)
+    if index >= pack.FEED_MAX:
+        raise CopyError(
+            f"cuda:{device}: graph feeds: all {pack.FEED_MAX} replay counters of this "
+            "process are taken (one per capture_inputs())"
+        )
+    return index
+
+
+class _RelaxedCapture:
+    """Let this thread make calls a global-mode capture forbids (``cudaHostAlloc``),
+    as torch's allocator does while a graph captures."""
+
+    def __enter__(self):
+        self.mode = ctypes.c_int(_CAPTURE_MODE_RELAXED)
+        fn = _driver_entry("cuThreadExchangeStreamCaptureMode")
+        self.fn = fn if fn is not None and fn(ctypes.byref(self.mode)) == 0 else None
+        return self
+
+    def __exit__(self, *exc):
+        if self.fn is not None:
+            self.fn(ctypes.byref(self.mode))
 
 
 @functools.cache
@@ -882,6 +934,75 @@ class CudaBackend(Backend):
                 e,
                 f" (segment={segment_ptr:#x} grid={nblocks} {'mapped' if mapped else 'dma'})",
             ) from e
+
+    # -- graph feeds ------------------------------------------------------------------
+
+    def alloc_feed(self, nbytes: int) -> PinnedBuffer:
+        """:meth:`alloc_pinned`, legal while this thread's stream captures in global mode."""
+        with _RelaxedCapture():
+            return self.alloc_pinned(nbytes)
+
+    def feed_capture(self, box_ptr, entries, blocks, status_ptr, stream) -> int:
+        """Launch ``cucopy_scatter_feed`` on the capturing ``stream`` (it becomes a node).
+
+        Raises
+        ------
+        CopyError
+            If the feed kernel did not build, or the launch fails.
+        """
+        if _getDevice() != self.device:
+            return self._on_device(self.feed_capture, box_ptr, entries, blocks, status_ptr, stream)
+        k = self._kern or self._get_kernels()
+        if not k.feed:
+            raise CopyError(f"{self.describe()}: the graph feed kernel did not build")
+        if not 0 < blocks <= 65535:
+            raise ValueError(f"feed_capture: blocks must be in [1, 65535], got {blocks}")
+        index = _next_feed(self.device)
+        p = _Params(_FeedArgs)
+        p.args.box = box_ptr
+        p.args.entries = entries
+        p.args.feed = index
+        p.args.status = status_ptr
+        try:
+            _launch(k.feed, blocks, 1, 1, pack.THREADS, 1, 1, 0, stream, p.addr, 0)
+        except _DriverError as e:
+            raise self._error(
+                "cuLaunchKernel(cucopy_scatter_feed)", e, f" (stream={stream:#x} grid={blocks})"
+            ) from e
+        return index
+
+    def graph_launch(self, graph, stream) -> None:
+        """Enqueue one replay of ``graph`` on ``stream``.
+
+        ``graph``: a raw ``cudaGraphExec_t`` (int), a CuPy graph (``launch``), a torch
+        ``CUDAGraph`` (``replay()``, which launches on torch's current stream: make
+        the copier's stream current), or a callable that launches it.
+        """
+        if isinstance(graph, int):
+            try:
+                _rt.graphLaunch(graph, stream)
+            except _RuntimeError as e:
+                raise self._error("cudaGraphLaunch", e, f" (exec={graph:#x})") from e
+            return
+        mod = type(graph).__module__.split(".")[0]
+        if mod == "torch" and hasattr(graph, "replay"):
+            torch = sys.modules["torch"]
+            current = torch.cuda.current_stream(self.device).cuda_stream
+            if current != stream:
+                raise ValueError(
+                    f"graph: torch replays on its current stream {current:#x}, not the "
+                    f"copier's {stream:#x}: replay inside torch.cuda.stream(<the copier's stream>)"
+                )
+            graph.replay()
+        elif mod == "cupy" and hasattr(graph, "launch"):
+            graph.launch(_cupy.cuda.ExternalStream(stream, self.device))
+        elif callable(graph):
+            graph()
+        else:
+            raise TypeError(
+                "graph: expected a cudaGraphExec_t, a CuPy graph, a torch CUDAGraph or a "
+                f"callable, got {type(graph).__qualname__}"
+            )
 
     def carry_capacities(self) -> tuple:
         """Byte counts a scatter launch can carry, ascending (needs the kernels built).

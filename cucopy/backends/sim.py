@@ -17,6 +17,13 @@ It models what makes the copier hard rather than just moving bytes:
   ``cudaFreeHost`` do (:class:`SimDeadlock` while a stream with queued work is
   held);
 - graph capture and replay: captured work is re-run, re-reading its sources;
+  a captured kernel node (:meth:`SimStream.launch_node`) takes its parameters
+  when a replay is enqueued, from what :meth:`SimGraph.set_params` last set
+  (``cuGraphExecKernelNodeSetParams`` semantics: a replay already enqueued
+  keeps the parameters it was enqueued with);
+- the graph-fed scatter (``cucopy_scatter_feed``): a node with fixed
+  parameters that reads its mailbox in mapped pinned memory when it runs and
+  counts its replays in device memory;
 - the scatter kernel as :func:`cucopy.pack.reference_scatter` over the same
   segment bytes, applying one segment's descriptors in a seeded shuffled order.
 
@@ -49,6 +56,7 @@ __all__ = [
     "SimStream",
     "SimEvent",
     "SimGraph",
+    "SimNode",
     "SimBackend",
     "SimDeadlock",
     "SimMemoryError",
@@ -263,6 +271,22 @@ class SimStream:
         self._enqueue(fn)
 
     @_serialized
+    def launch_node(self, fn, params) -> SimNode:
+        """Enqueue a kernel taking ``params``: ``fn(params)`` runs in stream order.
+
+        During capture it becomes a :class:`SimNode` of the graph, whose parameters
+        :meth:`SimGraph.set_params` may replace between replays; otherwise it runs
+        with ``params`` as given (a plain launch).
+        """
+        node = SimNode(fn, params)
+        if self._graph is not None:
+            self.ops += 1
+            self._graph._ops.append(node)
+            return node
+        self._enqueue(node.bind())
+        return node
+
+    @_serialized
     def _record(self, event) -> None:
         if self._graph is not None:
             raise CopyError("sim: recording an event during capture is not modelled")
@@ -321,6 +345,31 @@ class SimStream:
         return f"SimStream({self.name or hex(id(self))}, pending={len(self._queue)})"
 
 
+class SimNode:
+    """A captured kernel launch: ``fn(params)``, its parameters replaceable per replay.
+
+    Parameters are copied when set (as the driver copies a launch's parameter
+    buffer), so the caller may change its own object afterwards.
+    """
+
+    __slots__ = ("fn", "params")
+
+    def __init__(self, fn, params):
+        self.fn = fn
+        self.params = _freeze(params)
+
+    def bind(self):
+        """The launch with the parameters as they are now (what a replay enqueues)."""
+        fn, params = self.fn, self.params
+        return lambda: fn(params)
+
+
+def _freeze(params):
+    if isinstance(params, (bytes, bytearray, memoryview, np.ndarray)):
+        return bytes(params)
+    return tuple(params) if isinstance(params, list) else params
+
+
 class SimGraph:
     """Captured work; :meth:`replay` enqueues it again, re-reading its sources."""
 
@@ -330,10 +379,25 @@ class SimGraph:
     def __len__(self) -> int:
         return len(self._ops)
 
+    @property
+    def nodes(self) -> list:
+        """The captured kernel nodes (:meth:`SimStream.launch_node`), in capture order."""
+        return [op for op in self._ops if isinstance(op, SimNode)]
+
+    def set_params(self, node: SimNode, params) -> None:
+        """Replace ``node``'s parameters for the replays enqueued from now on.
+
+        A replay already enqueued keeps the parameters it was enqueued with, as
+        ``cuGraphExecKernelNodeSetParams`` leaves a launched graph alone.
+        """
+        if not any(op is node for op in self._ops):
+            raise ValueError(f"set_params: {node!r} is not a node of this graph")
+        node.params = _freeze(params)
+
     def replay(self, stream) -> None:
-        """Enqueue the captured operations on ``stream``."""
+        """Enqueue the captured operations on ``stream`` (nodes with their current parameters)."""
         for op in self._ops:
-            stream._enqueue(op)
+            stream._enqueue(op.bind() if isinstance(op, SimNode) else op)
 
 
 class SimDevice:
@@ -371,6 +435,7 @@ class SimDevice:
         self.default_stream = self.stream("default")
         self.device_reads = 0  # reads of device memory by the host (check mode's cost)
         self.carry_capacities = pack.CARRY_CAPACITIES
+        self._feeds = 0  # graph feeds captured (SimBackend.feed_capture)
 
     # -- memory ---------------------------------------------------------------
 
@@ -685,6 +750,57 @@ class SimBackend(Backend):
             pack.reference_scatter(seg, lambda a, k: dev._mem(a, k).tobytes(), store, order)
 
         stream._enqueue(run)
+
+    # -- graph feeds -----------------------------------------------------------------
+
+    def feed_capture(self, box_ptr, entries, blocks, status_ptr, stream) -> int:
+        dev = self.device
+        if stream._graph is None:
+            raise CopyError("sim: the feed node must be captured (the stream is not capturing)")
+        if not 0 < blocks <= 65535:
+            raise ValueError(f"feed_capture: blocks must be in [1, 65535], got {blocks}")
+        dev._mem(box_ptr, entries * pack.FEED_ENTRY_BYTES)  # mapped memory, checked now
+        state, _ = dev._alloc(16)  # the replay counter, zero (as the kernel module's array)
+        index = dev._feeds
+        dev._feeds += 1
+
+        def run(params):
+            box, k, counter, status = params
+            r = int.from_bytes(dev._mem(counter, 8).tobytes(), "little") + 1
+            entry = box + (r % k) * pack.FEED_ENTRY_BYTES
+            head = dev._mem(entry, pack.FEED_HEAD_BYTES).view(pack.FEED_ENTRY_DTYPE)[0]
+            have = int(head["nbytes"])
+            if int(head["tag"]) == r and pack.HEADER_BYTES <= have <= pack.FEED_CAPACITY:
+                # read when the node runs, as the kernel reads mapped memory
+                carried = dev._mem(entry + pack.FEED_HEAD_BYTES, have).tobytes()
+                header, _ = pack.decode(carried[: pack.HEADER_BYTES])
+                total = int(header["total_bytes"])
+                seg = carried[:total]
+                if total > len(seg):
+                    seg += dev._mem(int(head["seg"]) + len(seg), total - len(seg)).tobytes()
+                order = dev.rng.permutation(int(header["ndesc"]))
+
+                def store(addr, data):
+                    dev._mem(addr, len(data))[:] = np.frombuffer(data, np.uint8)
+
+                pack.reference_scatter(seg, lambda a, n: dev._mem(a, n).tobytes(), store, order)
+            dev._mem(counter, 8)[:] = np.frombuffer(r.to_bytes(8, "little"), np.uint8)
+            if status:
+                dev._mem(status, 8)[:] = np.frombuffer(r.to_bytes(8, "little"), np.uint8)
+
+        stream.launch_node(run, (box_ptr, entries, state, status_ptr))
+        return index
+
+    def graph_launch(self, graph, stream) -> None:
+        if isinstance(graph, SimGraph):
+            graph.replay(stream)
+        elif callable(graph):
+            graph()
+        else:
+            raise TypeError(
+                f"graph: the sim backend replays a SimGraph (or calls a callable), "
+                f"got {type(graph).__qualname__}"
+            )
 
     # -- events ----------------------------------------------------------------------
 

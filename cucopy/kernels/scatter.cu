@@ -599,24 +599,29 @@ static __device__ __forceinline__ cucopy_u32 cucopy_param_u32(cucopy_u64 addr)
 // the owner as before: up to CUCOPY_THREADS descriptors, thread t reads
 // descriptor t and one barrier count names it; larger tables take a 32-way
 // search per warp.
+//
+// Block b's work, given the carried bytes at `bytes` (`have` of at most CAP of
+// them, read with generic loads: a launch's parameter buffer, or a graph feed's
+// mailbox entry in mapped memory) and the whole segment at `seg`. Every thread
+// of the block calls it with the same b.
 template <unsigned CAP>
-static __device__ __forceinline__ void cucopy_scatter_carried(const CucopyCarried<CAP>& p)
+static __device__ __forceinline__ void cucopy_carried_block(const cucopy_u8* bytes,
+                                                            cucopy_u32 have, cucopy_u64 seg,
+                                                            cucopy_u32 b)
 {
     constexpr unsigned kFit = (CAP - CUCOPY_HEADER_BYTES) / CUCOPY_DESC_BYTES;
     static_assert(kFit >= 1u, "a carried buffer holds the header and one descriptor");
     __shared__ __align__(16) CucopyDesc s_desc;
     __shared__ cucopy_u32 s_next;
-    const cucopy_u32 b = blockIdx.x;
     const unsigned t = threadIdx.x;
-    const cucopy_u64 base = reinterpret_cast<cucopy_u64>(p.bytes);
-    const CucopyDesc* const table = reinterpret_cast<const CucopyDesc*>(p.bytes + CUCOPY_HEADER_BYTES);
+    const cucopy_u64 base = reinterpret_cast<cucopy_u64>(bytes);
+    const CucopyDesc* const table = reinterpret_cast<const CucopyDesc*>(bytes + CUCOPY_HEADER_BYTES);
     // speculative, and inside the buffer whatever b is: descriptor b
     const CucopyDesc mine = table[b < kFit ? b : kFit - 1u];
-    const cucopy_u32 have = p.nbytes;
     if (have < CUCOPY_HEADER_BYTES || have > CAP) {
         return;
     }
-    const CucopyHeader& h = *reinterpret_cast<const CucopyHeader*>(p.bytes);
+    const CucopyHeader& h = *reinterpret_cast<const CucopyHeader*>(bytes);
     const cucopy_u32 n = h.ndesc;
     const cucopy_u32 nblocks = h.nblocks;
     const cucopy_u32 doff = h.desc_offset;
@@ -696,7 +701,7 @@ static __device__ __forceinline__ void cucopy_scatter_carried(const CucopyCarrie
     if (h.total_bytes <= have) {
         cucopy_apply<true>(d, next_start, base, b, whole);
     } else {
-        cucopy_apply<false>(d, next_start, p.seg, b, whole);
+        cucopy_apply<false>(d, next_start, seg, b, whole);
     }
 }
 
@@ -707,7 +712,7 @@ static __device__ __forceinline__ void cucopy_scatter_carried(const CucopyCarrie
     extern "C" __global__ void __launch_bounds__(CUCOPY_THREADS)                      \
     NAME(const __grid_constant__ CucopyCarried<CAP> p)                                \
     {                                                                                 \
-        cucopy_scatter_carried<CAP>(p);                                               \
+        cucopy_carried_block<CAP>(p.bytes, p.nbytes, p.seg, blockIdx.x);              \
     }
 
 #if CUCOPY_BUILDS(2)
@@ -762,4 +767,86 @@ CUCOPY_CARRIED_ENTRY(cucopy_scatter_c30k, 30704)
 #if CUCOPY_BUILDS(18)
 CUCOPY_CARRIED_ENTRY(cucopy_scatter_c32k, 32736)
 #endif
+#endif
+
+// -- graph feeds -----------------------------------------------------------------------
+//
+// cucopy_scatter_feed: the scatter as a node of an engine's own CUDA graph
+// (DeviceCopier.capture_inputs), captured once with fixed parameters, fed each
+// step through a mailbox in mapped pinned memory (pack.py, "Graph feeds").
+// Replay r of feed f (r = 1, 2, ..., counted here, in device memory) reads
+// entry r % entries and applies it only when the entry's tag is r: the host
+// writes an entry for the replay it is about to launch, so a replay that no
+// step was posted for (tag of an older replay, or 0) lands nothing, and one
+// launched before the host posted a later step never takes that step's
+// bytes. The parameters never change, so a step costs the host no driver call.
+//
+// The grid is fixed at capture: block b runs virtual blocks b, b + gridDim.x,
+// ... of the segment's nblocks. The last block to finish advances the replay
+// counter (every block has read it by then) and stores it at `status` (mapped
+// memory the host reads to notice replays it did not issue).
+#define CUCOPY_FEED_HEAD 32u
+#define CUCOPY_FEED_ENTRY_BYTES 16384u
+#define CUCOPY_FEED_CAPACITY (CUCOPY_FEED_ENTRY_BYTES - CUCOPY_FEED_HEAD)
+#define CUCOPY_FEED_MAX 4096u
+
+// pack.FEED_ENTRY_DTYPE
+struct CucopyFeedEntry {
+    cucopy_u64 tag;
+    cucopy_u64 seg;
+    cucopy_u32 nbytes;
+    cucopy_u32 reserved;
+    cucopy_u64 reserved2;
+};
+
+#if CUCOPY_BUILDS(19)
+// Zero when the module loads; the host hands out each index once per process.
+__device__ cucopy_u64 cucopy_feed_replays[CUCOPY_FEED_MAX];
+__device__ cucopy_u32 cucopy_feed_done[CUCOPY_FEED_MAX];
+#endif
+
+#if CUCOPY_BUILDS(19)
+extern "C" __global__ void __launch_bounds__(CUCOPY_THREADS)
+cucopy_scatter_feed(const unsigned char* __restrict__ box, unsigned int entries,
+                    unsigned int feed, unsigned long long* status)
+{
+    __shared__ cucopy_u64 s_replay;
+    const unsigned t = threadIdx.x;
+    if (feed >= CUCOPY_FEED_MAX || entries == 0u) {
+        return;
+    }
+    if (t == 0u) {
+        s_replay = *reinterpret_cast<volatile cucopy_u64*>(&cucopy_feed_replays[feed]) + 1ull;
+    }
+    __syncthreads();
+    const cucopy_u64 r = s_replay;
+    const cucopy_u8* e = box + (r % entries) * (cucopy_u64)CUCOPY_FEED_ENTRY_BYTES;
+    // the host rewrites entries between replays: read the head past any cache
+    const volatile CucopyFeedEntry* hp = reinterpret_cast<const volatile CucopyFeedEntry*>(e);
+    const cucopy_u64 tag = hp->tag;
+    const cucopy_u64 seg = hp->seg;
+    const cucopy_u32 have = hp->nbytes;
+    const cucopy_u8* bytes = e + CUCOPY_FEED_HEAD;
+    if (tag == r && have >= CUCOPY_HEADER_BYTES && have <= CUCOPY_FEED_CAPACITY) {
+        const cucopy_u32 nblocks = reinterpret_cast<const CucopyHeader*>(bytes)->nblocks;
+        for (cucopy_u32 vb = blockIdx.x; vb < nblocks; vb += gridDim.x) {
+            cucopy_carried_block<CUCOPY_FEED_CAPACITY>(bytes, have, seg, vb);
+            __syncthreads();  // the next round reuses the block's shared descriptor
+        }
+    }
+    __syncthreads();
+    if (t == 0u) {
+        __threadfence();
+        const cucopy_u32 done = atomicAdd(&cucopy_feed_done[feed], 1u);
+        if (done + 1u == gridDim.x) {
+            cucopy_feed_done[feed] = 0u;
+            cucopy_feed_replays[feed] = r;
+            __threadfence();
+            if (status != nullptr) {
+                *reinterpret_cast<volatile cucopy_u64*>(status) = r;
+                __threadfence_system();
+            }
+        }
+    }
+}
 #endif
