@@ -449,6 +449,16 @@ class DeviceCopyBuffer(_Core):
     The record knows only writes made through this object. Anything else that
     writes the buffer must be followed by :meth:`invalidate`; check mode
     (``CUCOPY_CHECK=1``) catches the skips that would otherwise go wrong.
+
+    Host cost: :meth:`update` has a fast path for the steady state of an
+    engine's loop: a NumPy array of the buffer's dtype, C-contiguous, written as
+    a prefix (no ``view``, ``key`` or ``force``) through the active copier
+    inside a step (not capturing, not in check mode, the state ``begin()`` saw)
+    on a site the copier merges, once one such update went through the general
+    path. An unchanged update is then one record lookup and one byte compare; a
+    changed one of the record's length is staged as ``copier.copy`` stages it
+    and copied into the record. Anything else takes the general path, with the
+    same results and counters.
     """
 
     def __init__(
