@@ -778,8 +778,10 @@ class DeviceCopyBuffer(_Core):
 
     if _FastUpdate is not None:
         # the compiled twin of the fast path above, with no Python frame; it calls
-        # _update for anything it does not take
-        update = _FastUpdate(update, _update, _copier._active, _PREFIX, _Update)
+        # self._update for anything it does not take
+        update = _FastUpdate(
+            update, lambda self, *a, **kw: self._update(*a, **kw), _copier._active, _PREFIX, _Update
+        )
 
     def _learn_route(self) -> None:
         """A prefix update went through the active copier: later ones may take the fast path.

@@ -820,6 +820,23 @@ def test_update_keeps_its_signature_and_doc():
     assert "unless it already holds those values" in cc.DeviceCopyBuffer.update.__doc__
 
 
+def test_the_general_path_is_looked_up_on_the_instance(sim_env):
+    class Counting(cc.DeviceCopyBuffer):
+        calls = 0
+
+        def _update(self, *args, **kw):
+            Counting.calls += 1
+            return super()._update(*args, **kw)
+
+    c = sim_env.copier(PLAN)
+    buf = Counting(sim_env.empty((4,)), site=Site.LENS)
+    with c.activate(), c.step():
+        assert buf.update(i32(1, 2)) is True
+        assert buf.update(i32(1, 2)) is False  # the fast path
+        assert buf.update([1, 2]) is False  # a list: the general path
+    assert Counting.calls == 2
+
+
 def test_steady_state_takes_the_fast_path(sim_env, monkeypatch):
     env = sim_env
     c = env.copier(PLAN)
