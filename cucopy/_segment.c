@@ -2103,21 +2103,12 @@ static PyObject *fastupdate_call(FastUpdate *f, PyObject *const *args, size_t na
         goto rest;
     int exact = opt[3] == Py_True;
     PyObject *self = args[0], *host = args[1];
-    if ((PyObject *)Py_TYPE(host) != ndarray_type || !PyObject_TypeCheck(self, &BufferCoreType))
-        goto rest;
+    if (!PyObject_TypeCheck(self, &BufferCoreType)) goto rest;
     BufferCore *b = (BufferCore *)self;
     if (!b->froute || !PyTuple_CheckExact(b->froute) || PyTuple_GET_SIZE(b->froute) != 3 ||
-        !b->fsite || b->fsite == Py_None || !b->updates || !PyDict_CheckExact(b->updates))
+        !b->fsite || b->fsite == Py_None || !b->updates || !PyDict_CheckExact(b->updates) ||
+        b->fitem <= 0)
         goto rest;
-    NpArray *a = (NpArray *)host;
-    if (!(a->flags & NPY_C_CONTIGUOUS_FLAG) || a->nd > MAXDIM) goto rest;
-    if (a->descr != b->fdtype) {
-        int eq = b->fdtype ? PyObject_RichCompareBool(a->descr, b->fdtype, Py_EQ) : 0;
-        if (eq != 1) { if (eq < 0) PyErr_Clear(); goto rest; }
-    }
-    Py_ssize_t n = 1;
-    for (int i = 0; i < a->nd; i++) n *= a->dimensions[i];
-    if (n <= 0 || n > b->fsize) goto rest;
     /* the active copier: the one this buffer's route was learnt through */
     PyObject *c = NULL;
     if (PyContextVar_Get(f->var, NULL, &c) < 0) return NULL;
@@ -2128,20 +2119,53 @@ static PyObject *fastupdate_call(FastUpdate *f, PyObject *const *args, size_t na
     if (!same_copier || Py_TYPE(sego) != &SegmentType) goto rest;
     Segment *s = (Segment *)sego;
     if (!s->fast || !s->bound || s->owner != PyThread_get_thread_ident()) goto rest;
+    /* the host values: a NumPy array, or a source the segment knows (a torch CPU tensor) */
+    const char *hdata;
+    Py_ssize_t n;
+    int hnd;
+    PyObject *hdtype;
+    Cached *sc = NULL; /* held while its bytes are read */
+    if ((PyObject *)Py_TYPE(host) == ndarray_type) {
+        NpArray *a = (NpArray *)host;
+        if (!(a->flags & NPY_C_CONTIGUOUS_FLAG)) goto rest;
+        n = 1;
+        for (int i = 0; i < a->nd; i++) n *= a->dimensions[i];
+        hdata = a->data;
+        hnd = a->nd;
+        hdtype = a->descr;
+    } else {
+        PyObject *key = PyLong_FromVoidPtr(host);
+        if (!key) return NULL;
+        sc = (Cached *)PyDict_GetItemWithError(s->scache, key);
+        Py_DECREF(key);
+        if (!sc) { if (PyErr_Occurred()) return NULL; goto rest; }
+        Py_INCREF(sc);
+        if (sc->ndim < 0 || sc->nbytes % b->fitem || !cached_valid(sc, host)) goto rest_sc;
+        n = (Py_ssize_t)(sc->nbytes / b->fitem);
+        hdata = (const char *)(uintptr_t)sc->ptr;
+        hnd = sc->ndim;
+        hdtype = sc->dtype;
+    }
+    if (hdtype != b->fdtype) {
+        int eq = b->fdtype ? PyObject_RichCompareBool(hdtype, b->fdtype, Py_EQ) : 0;
+        if (eq != 1) { if (eq < 0) PyErr_Clear(); goto rest_sc; }
+    }
+    if (n <= 0 || n > b->fsize) goto rest_sc;
     /* the record */
     PyObject *rec = _PyDict_GetItem_KnownHash(b->updates, f->prefix, f->prefix_hash);
-    if (!rec) { if (PyErr_Occurred()) return NULL; goto rest; }
+    if (!rec) { if (PyErr_Occurred()) goto fail_sc; goto rest_sc; }
     Py_INCREF(rec);
     PyObject *data = rec_slot(f, rec, f->off_data, s_data);
-    if (!data) { Py_DECREF(rec); return NULL; }
+    if (!data) { Py_DECREF(rec); goto fail_sc; }
     NpArray *d = (NpArray *)data;
     if ((PyObject *)Py_TYPE(data) != ndarray_type || d->nd != 1 || d->descr != uint8_descr ||
         !(d->flags & NPY_C_CONTIGUOUS_FLAG))
         goto rest_rec;
     Py_ssize_t hn = d->dimensions[0], nb = n * b->fitem;
-    if ((hn == nb || (hn > nb && !exact)) && memcmp(d->data, a->data, (size_t)nb) == 0) {
+    if ((hn == nb || (hn > nb && !exact)) && memcmp(d->data, hdata, (size_t)nb) == 0) {
         Py_DECREF(data);
         Py_DECREF(rec);
+        Py_XDECREF(sc);
         PyObject *counts = PyTuple_GET_ITEM(b->froute, 1);
         if (Py_TYPE(counts) == &SkipCountsType) {
             if (skips_count((SkipCounts *)counts, b->fsite) < 0) return NULL;
@@ -2153,7 +2177,7 @@ static PyObject *fastupdate_call(FastUpdate *f, PyObject *const *args, size_t na
         Py_RETURN_FALSE;
     }
     /* changed: staged through the segment, then copied into the record's own bytes */
-    if (hn != nb || a->nd != 1 || PyDict_GET_SIZE(b->updates) != 1 || !b->fills ||
+    if (hn != nb || hnd != 1 || PyDict_GET_SIZE(b->updates) != 1 || !b->fills ||
         !PyDict_CheckExact(b->fills) || PyDict_GET_SIZE(b->fills) != 0 || b->pn != n ||
         !b->pdst || !(d->flags & NPY_WRITEABLE_FLAG))
         goto rest_rec;
@@ -2170,11 +2194,11 @@ static PyObject *fastupdate_call(FastUpdate *f, PyObject *const *args, size_t na
     long code = PyLong_AsLong(r);
     Py_DECREF(r);
     if (code == STAGED) {
-        memcpy(d->data, a->data, (size_t)nb); /* the record now holds what was staged */
+        memcpy(d->data, hdata, (size_t)nb); /* the record now holds what was staged */
     } else if (code == BARRIER) {
         /* as the general path: no record while the barrier flushes */
         if (PyDict_DelItem(b->updates, f->prefix) < 0) goto fail_c;
-        memcpy(d->data, a->data, (size_t)nb);
+        memcpy(d->data, hdata, (size_t)nb);
         PyObject *x = PyObject_CallMethodOneArg(c, s_after_barrier, b->fsite);
         if (!x) goto fail_c;
         Py_DECREF(x);
@@ -2186,16 +2210,21 @@ static PyObject *fastupdate_call(FastUpdate *f, PyObject *const *args, size_t na
     Py_DECREF(c);
     Py_DECREF(data);
     Py_DECREF(rec);
+    Py_XDECREF(sc);
     Py_RETURN_TRUE;
 fail_c:
     Py_DECREF(c);
 fail_rec:
     Py_DECREF(data);
     Py_DECREF(rec);
+fail_sc:
+    Py_XDECREF(sc);
     return NULL;
 rest_rec:
     Py_DECREF(data);
     Py_DECREF(rec);
+rest_sc:
+    Py_XDECREF(sc);
 rest:
     return PyObject_Vectorcall(f->rest, args, nargsf, kwnames);
 }

@@ -23,7 +23,7 @@ import numpy as np
 from . import _layout, check
 from . import copier as _copier
 from . import segment as _segment
-from .adapters import ArrayInfo, readonly_hint, resolve
+from .adapters import ArrayInfo, fingerprint_fn, readonly_hint, resolve
 from .sites import CopySite, Direction
 
 __all__ = ["DeviceCopyBuffer", "routing_copier", "is_capturing"]
@@ -308,22 +308,31 @@ class _PySkipCounts:
         return out
 
 
-def _py_fast_update(buf, host: np.ndarray, exact) -> bool | None:
+def _py_fast_update(buf, host, exact) -> bool | None:
     """update()'s fast path; None: not taken (the general path runs, nothing changed)."""
     route = buf._froute
-    if route is None or not host.flags.c_contiguous:
-        return None
-    dtype = buf._fdtype
-    if host.dtype is not dtype and host.dtype != dtype:
-        return None
-    n = host.size
-    if not 0 < n <= buf._fsize:
+    if route is None:
         return None
     c = _copier._active.get()
     if c is None or route[0]() is not c:
         return None
     seg = route[2]
     if type(seg) is not _segment.PySegment or not seg._fast or seg.owner != _get_ident():
+        return None
+    if type(host) is np.ndarray:
+        if not host.flags.c_contiguous:
+            return None
+        arr = host
+    else:  # a source the segment knows (a torch CPU tensor), still what it was
+        ent = seg.scache.get(id(host))
+        if ent is None or ent[0]() is not host or ent[1](host) != ent[2]:
+            return None
+        arr = ent[3]
+    dtype = buf._fdtype
+    if arr.dtype is not dtype and arr.dtype != dtype:
+        return None
+    n = arr.size
+    if not 0 < n <= buf._fsize:
         return None
     updates = buf._updates
     rec = updates.get(_PREFIX)
@@ -332,14 +341,14 @@ def _py_fast_update(buf, host: np.ndarray, exact) -> bool | None:
     have = rec.data
     nb = n * buf._fitem
     hn = have.nbytes
-    data = host.reshape(-1).view(np.uint8)
+    data = arr.reshape(-1).view(np.uint8)
     if (hn == nb or (hn > nb and not exact)) and _equal(have[:nb], data):
         route[1].count(buf._fsite)
         return False
     if (
         hn != nb
         or not rec.owned
-        or host.ndim != 1
+        or arr.ndim != 1
         or len(updates) != 1
         or buf._fills
         or buf._pn != n
@@ -718,7 +727,7 @@ class DeviceCopyBuffer(_Core):
         if same:
             _copier.copy(self.site, dst, src, unchanged=True, on_drop=self.invalidate)
             if slot is _PREFIX:
-                self._learn_route()
+                self._learn_route(host, arr, borrowed)
             return False
         # drop first: a copy that raises leaves no record claiming its bytes
         self._updates.pop(slot, None)
@@ -727,7 +736,7 @@ class DeviceCopyBuffer(_Core):
         if issued:
             self._updates[slot] = _Update(*self._own(arr, data, borrowed), region=region, base=base)
         if slot is _PREFIX:
-            self._learn_route()
+            self._learn_route(host, arr, borrowed)
         return issued
 
     def update(self, host, force: bool = False, view=None, key=None, exact: bool = False) -> bool:
@@ -770,7 +779,7 @@ class DeviceCopyBuffer(_Core):
             In check mode, a skip whose bytes are not on the device (raised
             at the call, or at the active copier's next flush).
         """
-        if view is None and key is None and force is False and type(host) is np.ndarray:
+        if view is None and key is None and force is False:
             r = _py_fast_update(self, host, exact)
             if r is not None:
                 return r
@@ -783,11 +792,13 @@ class DeviceCopyBuffer(_Core):
             update, lambda self, *a, **kw: self._update(*a, **kw), _copier._active, _PREFIX, _Update
         )
 
-    def _learn_route(self) -> None:
+    def _learn_route(self, host, arr, borrowed) -> None:
         """A prefix update went through the active copier: later ones may take the fast path.
 
         Only for a site the copier merges (the fast path skips as the segment's
-        ``try_skip`` does, and stages through its ``try_h2d``).
+        ``try_skip`` does, and stages through its ``try_h2d``). A host array of
+        another library (a torch CPU tensor) is cached by the segment, as
+        ``copier.copy`` caches its sources, so that it is found again by identity.
         """
         c = _copier._active.get()
         if c is None or self._fsite is None or self._fsite not in c._merge:
@@ -795,7 +806,11 @@ class DeviceCopyBuffer(_Core):
         route = self._froute
         if route is None or route[0]() is not c:
             ref = weakref.ref(c, _forget_route(weakref.ref(self)))
-            self._froute = (ref, _counts_of(c), c._seg)
+            self._froute = route = (ref, _counts_of(c), c._seg)
+        if borrowed and type(host) is not np.ndarray and host is not arr:
+            fp = fingerprint_fn(host)
+            if fp is not None:
+                route[2].remember_src(host, fp, arr, arr.dtype)
 
     def _own(self, arr: np.ndarray, data: np.ndarray, borrowed: bool) -> tuple:
         """The bytes a record keeps: a private copy of the caller's, unless ``snapshot=False``.

@@ -932,6 +932,36 @@ def test_every_byte_counts_on_the_fast_path(env):
     assert c.stats.sites[Site.LENS].skipped == 24 + 8
 
 
+def test_torch_cpu_tensors_take_the_fast_path(sim_env, monkeypatch):
+    torch = pytest.importorskip("torch")
+    c = sim_env.copier(PLAN)
+    t = sim_env.empty((4,))
+    buf = cc.DeviceCopyBuffer(t, site=Site.LENS)
+    host = torch.tensor([1, 2, 3, 4], dtype=torch.int32)  # an engine's staging tensor
+    spy = _CopySpy(monkeypatch)
+    with c.activate():
+        with c.step():
+            assert buf.update(host) is True  # first sight: the general path caches it
+        for step in range(4):
+            with c.step():
+                assert buf.update(host) is False
+                host[0] = step  # refilled in place
+                assert buf.update(host) is True
+                assert buf.update(host) is False
+            assert sim_env.to_host(t).tolist() == [step, 2, 3, 4]
+        assert spy.calls == 1
+        with c.step():
+            with pytest.raises(TypeError, match="dtype mismatch"):
+                buf.update(host.to(torch.int64))
+            host.set_(torch.tensor([7, 8, 9, 10], dtype=torch.int32))  # new storage
+            assert buf.update(host) is True  # the segment's cache sees the new geometry
+            assert buf.update(host[:2]) is False  # a fresh view: the general path
+            assert buf.update(host) is False
+        assert spy.calls == 3  # the dtype mismatch is refused before any copy
+    assert sim_env.to_host(t).tolist() == [7, 8, 9, 10]
+    assert c.stats.sites[Site.LENS].skipped == 10
+
+
 def test_a_fast_upload_dropped_with_its_step_invalidates_the_record(env):
     c = env.copier(PLAN)
     t = env.empty((4,))
@@ -1102,7 +1132,7 @@ def _random_program(env, seed, fast: bool, monkeypatch):
     from cucopy.buffer import DeviceCopyBuffer
 
     if not fast:  # the route is never learnt: every update takes the general path
-        monkeypatch.setattr(DeviceCopyBuffer, "_learn_route", lambda self: None)
+        monkeypatch.setattr(DeviceCopyBuffer, "_learn_route", lambda self, *a: None)
     rng = np.random.default_rng(seed)
     copiers = [env.copier(PLAN, slots=2, capacity=8192), env.copier(PLAN)]
     ts = [env.empty((8,)), env.empty((8,)), env.empty((8,))]
@@ -1113,6 +1143,12 @@ def _random_program(env, seed, fast: bool, monkeypatch):
     ]
     palette = [np.arange(8, dtype=np.int32) % k for k in (2, 3)] + [np.ones(8, np.int32)]
     scratch = np.zeros(8, np.int32)  # refilled in place by the caller
+    try:
+        import torch
+
+        tscratch = torch.from_numpy(scratch)  # the same bytes, as a torch CPU tensor
+    except ImportError:
+        tscratch = None
     trace = []
     spy = _CopySpy(monkeypatch)
 
@@ -1141,7 +1177,10 @@ def _random_program(env, seed, fast: bool, monkeypatch):
                     elif op < 0.3:
                         scratch[:k] = vals
                         vals = scratch[:k]
-                    if op < 0.6:
+                    if op < 0.1 and i != 2 and tscratch is not None:
+                        scratch[:] = palette[int(rng.integers(0, 3))]
+                        call(buf.update, tscratch if k == 8 else tscratch[:k])
+                    elif op < 0.6:
                         call(buf.update, vals)
                     elif op < 0.68:
                         call(buf.update, vals, exact=True)
