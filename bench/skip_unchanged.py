@@ -254,10 +254,12 @@ def _num(x, digits=0) -> str:
 
 #: Why the buffer's host time is higher: printed under the table.
 WHY = """\
-why: every DeviceCopyBuffer.update is a Python call that compares the new values with the
-ones the buffer last wrote before it decides; it pays that on every input, changed or not,
-and it costs more host time than staging the copy would. What it saves is copies, stream
-operations, bytes staged and (on a GPU) GPU time: use it where those are the bottleneck."""
+why: every DeviceCopyBuffer.update compares the new values with the ones the buffer last
+wrote before it decides, changed or not. On its fast path (compiled: NumPy values through
+the active copier) a skip costs less host time than staging the copy, and a changed input
+a little more than copier.copy; on the general path (pure Python, other inputs) both cost
+more. Besides host time it saves copies, stream operations, bytes staged and (on a GPU)
+GPU time."""
 
 
 def savings(result: dict) -> list[str]:

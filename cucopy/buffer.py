@@ -15,11 +15,15 @@ through the buffer that overlaps another record trims or drops that record.
 
 from __future__ import annotations
 
+import weakref
+from threading import get_ident as _get_ident
+
 import numpy as np
 
 from . import _layout, check
 from . import copier as _copier
-from .adapters import ArrayInfo, readonly_hint, resolve
+from . import segment as _segment
+from .adapters import ArrayInfo, fingerprint_fn, readonly_hint, resolve
 from .sites import CopySite, Direction
 
 __all__ = ["DeviceCopyBuffer", "routing_copier", "is_capturing"]
@@ -142,14 +146,20 @@ def _overlap(r1, r2) -> bool:
 
 
 class _Update:
-    """What an issued update wrote: ``data`` (uint8) at ``region``."""
+    """What an issued update wrote: ``data`` (uint8) at ``region``.
 
-    __slots__ = ("data", "region", "base")
+    ``owned``: ``data`` is a private copy this buffer made (never the caller's
+    memory), so :meth:`DeviceCopyBuffer.update`'s fast path may overwrite it in
+    place with the next upload of as many bytes.
+    """
 
-    def __init__(self, data, region, base):
+    __slots__ = ("data", "owned", "region", "base")
+
+    def __init__(self, data, owned, region, base):
         self.data = data
         self.region = region
         self.base = base  # prefix records: first byte of the storage; None for views
+        self.owned = owned
 
     def after_write(self, region, itemsize) -> bool:
         """Account for a write over ``region``; False when the record is gone."""
@@ -165,6 +175,7 @@ class _Update:
         if keep <= 0:
             return False
         self.data = self.data[:keep]
+        self.owned = False
         self.region = [(a, 1, keep, keep)]
         return True
 
@@ -236,7 +247,167 @@ def _bytes(arr: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
 
 
-class DeviceCopyBuffer:
+# -- update()'s fast path -------------------------------------------------------------------
+#
+# The steady state of an engine's loop: a NumPy array of the buffer's dtype, C-contiguous,
+# written as a prefix (no view, no key, not forced) through the active copier in a step
+# that may take the segment's fast path (open, not capturing, not in check mode: the
+# capture and check state begin() saw). There update() is one record lookup and one byte
+# compare; a skip is counted by a per-copier SkipCounts, folded into
+# copier.stats.sites[site].skipped when read. A changed update of as many bytes as the
+# record holds is staged through the segment's try_h2d and overwrites the record's own
+# copy in place. Anything else takes the general path (DeviceCopyBuffer._update), which
+# is the definition: the fast path gives the same results and the same counters.
+#
+# The compiled twin (cucopy._segment: BufferCore, SkipCounts, FastUpdate) does the same
+# with no Python frame; the classes below are its reference, used when the segment is
+# the pure-Python one (CUCOPY_PURE_PYTHON=1, or no compiler).
+
+_PREFIX = (None, None)  # the record slot of prefix updates without a key
+
+
+class _PyBufferCore:
+    """The fields update()'s fast path reads (twin of ``cucopy._segment.BufferCore``).
+
+    ``_fsite`` is the buffer's site when it is an H2D site (else None: no fast path),
+    ``_fdtype``, ``_fitem`` and ``_fsize`` its dtype, element size and element count,
+    ``_updates`` and ``_fills`` its records, ``_pn`` and ``_pdst`` the last prefix
+    made (``_prefix``), ``_froute`` ``(weakref to a copier, its SkipCounts, its
+    segment)`` once a prefix update through that active copier went through the
+    general path (so the copier takes this buffer's destination), else None.
+    """
+
+    __slots__ = (
+        "_fsite",
+        "_fdtype",
+        "_fitem",
+        "_fsize",
+        "_updates",
+        "_fills",
+        "_pn",
+        "_pdst",
+        "_froute",
+    )
+
+
+class _PySkipCounts:
+    """Skips a copier's buffers counted on the fast path (twin of ``_segment.SkipCounts``)."""
+
+    __slots__ = ("counts",)
+
+    def __init__(self):
+        self.counts: dict = {}
+
+    def count(self, site) -> None:
+        """Count one more skip of ``site``."""
+        self.counts[site] = self.counts.get(site, 0) + 1
+
+    def fold(self) -> dict:
+        """Skips per site since the last fold; the counts restart at 0."""
+        out, self.counts = self.counts, {}
+        return out
+
+
+def _py_fast_update(buf, host, exact) -> bool | None:
+    """update()'s fast path; None: not taken (the general path runs, nothing changed)."""
+    route = buf._froute
+    if route is None:
+        return None
+    c = _copier._active.get()
+    if c is None or route[0]() is not c:
+        return None
+    seg = route[2]
+    if type(seg) is not _segment.PySegment or not seg._fast or seg.owner != _get_ident():
+        return None
+    if type(host) is np.ndarray:
+        if not host.flags.c_contiguous:
+            return None
+        arr = host
+    else:  # a source the segment knows (a torch CPU tensor), still what it was
+        ent = seg.scache.get(id(host))
+        if ent is None or ent[0]() is not host or ent[1](host) != ent[2]:
+            return None
+        arr = ent[3]
+    dtype = buf._fdtype
+    if arr.dtype is not dtype and arr.dtype != dtype:
+        return None
+    n = arr.size
+    if not 0 < n <= buf._fsize:
+        return None
+    updates = buf._updates
+    rec = updates.get(_PREFIX)
+    if rec is None:
+        return None
+    have = rec.data
+    nb = n * buf._fitem
+    hn = have.nbytes
+    data = arr.reshape(-1).view(np.uint8)
+    if (hn == nb or (hn > nb and not exact)) and _equal(have[:nb], data):
+        route[1].count(buf._fsite)
+        return False
+    if (
+        hn != nb
+        or not rec.owned
+        or arr.ndim != 1
+        or len(updates) != 1
+        or buf._fills
+        or buf._pn != n
+    ):
+        return None
+    site = buf._fsite
+    r = seg.try_h2d(site, buf._pdst, host, buf.invalidate)
+    if r == _segment.STAGED:
+        have[:] = data  # the record now holds what was staged
+        return True
+    if r == _segment.BARRIER:
+        del updates[_PREFIX]  # as the general path: no record while the barrier flushes
+        have[:] = data
+        c._after_barrier(site)
+        updates[_PREFIX] = rec
+        return True
+    return None
+
+
+_Core = _PyBufferCore
+_SkipCounts = _PySkipCounts
+_FastUpdate = None
+#: which update() fast path runs: "compiled" or "python" (follows cucopy.segment)
+IMPLEMENTATION = "python"
+if _segment.IMPLEMENTATION == "compiled":
+    try:
+        from ._segment import BufferCore as _Core
+        from ._segment import FastUpdate as _FastUpdate
+        from ._segment import SkipCounts as _SkipCounts
+    except ImportError:  # an extension built from older sources: the Python twin runs
+        _Core, _SkipCounts, _FastUpdate = _PyBufferCore, _PySkipCounts, None
+    else:
+        IMPLEMENTATION = "compiled"
+
+# a copier's SkipCounts, made the first time a buffer learns the route to it
+_skip_counts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _forget_route(bref):
+    """A weakref callback: the copier died, so its buffer drops the route (and segment)."""
+
+    def forget(ref):
+        buf = bref()
+        if buf is not None and buf._froute is not None and buf._froute[0] is ref:
+            buf._froute = None
+
+    return forget
+
+
+def _counts_of(c):
+    counts = _skip_counts.get(c)
+    if counts is None:
+        counts = _SkipCounts()
+        c.stats.pending_skipped.append(counts.fold)
+        _skip_counts[c] = counts
+    return counts
+
+
+class DeviceCopyBuffer(_Core):
     """Skip-if-unchanged uploads into a persistent device buffer, routed through a site.
 
     Parameters
@@ -287,6 +458,16 @@ class DeviceCopyBuffer:
     The record knows only writes made through this object. Anything else that
     writes the buffer must be followed by :meth:`invalidate`; check mode
     (``CUCOPY_CHECK=1``) catches the skips that would otherwise go wrong.
+
+    Host cost: :meth:`update` has a fast path for the steady state of an
+    engine's loop: a NumPy array of the buffer's dtype, C-contiguous, written as
+    a prefix (no ``view``, ``key`` or ``force``) through the active copier
+    inside a step (not capturing, not in check mode, the state ``begin()`` saw)
+    on a site the copier merges, once one such update went through the general
+    path. An unchanged update is then one record lookup and one byte compare; a
+    changed one of the record's length is staged as ``copier.copy`` stages it
+    and copied into the record. Anything else takes the general path, with the
+    same results and counters.
     """
 
     def __init__(
@@ -320,9 +501,15 @@ class DeviceCopyBuffer:
         if self._dense is not None and self._dense[1] != 1:
             self._dense = None
         self._flat = None
-        self._last_prefix = (None, None)
+        self._pn, self._pdst = 0, None  # the last prefix made (_prefix)
         self._updates: dict = {}
         self._fills: dict = {}
+        # update()'s fast path (see _py_fast_update)
+        self._fsite = site if site is not None and site.direction is Direction.H2D else None
+        self._fdtype = info.dtype
+        self._fitem = self._it
+        self._fsize = info.size
+        self._froute = None
         self._name = _Name(self._label)  # names a record-only buffer in check-mode errors
 
     # -- properties -----------------------------------------------------------------------
@@ -366,9 +553,8 @@ class DeviceCopyBuffer:
 
     def _prefix(self, n: int):
         """The first ``n`` elements of the flattened buffer, as the tensor's own library's view."""
-        last_n, v = self._last_prefix
-        if last_n == n:
-            return v
+        if self._pn == n:
+            return self._pdst
         if self._dense is None:
             raise ValueError(
                 f"{self._label}: update(view=None) writes a prefix of the flattened "
@@ -399,7 +585,7 @@ class DeviceCopyBuffer:
             )
         else:
             v = self._flat[:n]
-        self._last_prefix = (n, v)
+        self._pn, self._pdst = n, v
         return v
 
     def _view(self, view):
@@ -466,46 +652,8 @@ class DeviceCopyBuffer:
 
     # -- update ---------------------------------------------------------------------------------
 
-    def update(self, host, force: bool = False, view=None, key=None, exact: bool = False) -> bool:
-        """Write ``host`` into the buffer unless it already holds those values.
-
-        Parameters
-        ----------
-        host : array_like
-            Host values: a NumPy array (or a host array of another library) of
-            the destination's dtype, or a sequence converted to it.
-        force : bool
-            Issue even when the record says the values are unchanged.
-        view : array, optional
-            A view of the buffer's storage to write as a whole (e.g.
-            ``buf[:, :n]``); its record is keyed by its geometry. None writes
-            the first ``host.size`` elements of the flattened buffer.
-        key : hashable, optional
-            Names the record, so that several contents written to different
-            parts of the buffer each keep theirs.
-        exact : bool
-            Prefix updates: skip only when the record has exactly this length
-            (not merely starts with these values).
-
-        Returns
-        -------
-        bool
-            True when a copy was issued or staged (record-only buffers: when
-            the owner must copy); False when skipped as unchanged, or when
-            ``host`` is empty.
-
-        Raises
-        ------
-        TypeError
-            Dtype mismatch, or a read-only view.
-        ValueError
-            ``host`` longer than the buffer, a size that does not match
-            ``view``, or a ``view`` that is not of this buffer's storage; during
-            graph capture, values this buffer had to convert or copy.
-        CopyError
-            In check mode, a skip whose bytes are not on the device (raised
-            at the call, or at the active copier's next flush).
-        """
+    def _update(self, host, force=False, view=None, key=None, exact=False) -> bool:
+        """:meth:`update` past its fast path: the definition of what an update does."""
         if self.site is not None and self.site.direction is not Direction.H2D:
             raise ValueError(
                 f"{self._label}: update() needs an H2D site; this buffer's site is "
@@ -525,7 +673,7 @@ class DeviceCopyBuffer:
             src = arr if arr.ndim == 1 else arr.reshape(-1)  # a prefix is flat
             base = self._info.ptr
             region = [(base, 1, n * self._it, n * self._it)]
-            slot = (key, None)
+            slot = _PREFIX if key is None else (key, None)
         else:
             v, geom = self._view(view)
             arr, borrowed = self._host(host, v.dtype)
@@ -574,24 +722,106 @@ class DeviceCopyBuffer:
                 return False
             self._updates.pop(slot, None)
             self._written(region)
-            self._updates[slot] = _Update(self._own(arr, data, borrowed), region, base)
+            self._updates[slot] = _Update(*self._own(arr, data, borrowed), region=region, base=base)
             return True
         if same:
             _copier.copy(self.site, dst, src, unchanged=True, on_drop=self.invalidate)
+            if slot is _PREFIX:
+                self._learn_route(host, arr, borrowed)
             return False
         # drop first: a copy that raises leaves no record claiming its bytes
         self._updates.pop(slot, None)
         self._written(region)
         issued = _copier.copy(self.site, dst, src, on_drop=self.invalidate)
         if issued:
-            self._updates[slot] = _Update(self._own(arr, data, borrowed), region, base)
+            self._updates[slot] = _Update(*self._own(arr, data, borrowed), region=region, base=base)
+        if slot is _PREFIX:
+            self._learn_route(host, arr, borrowed)
         return issued
 
-    def _own(self, arr: np.ndarray, data: np.ndarray, borrowed: bool) -> np.ndarray:
-        """The bytes a record keeps: a private copy of the caller's, unless ``snapshot=False``."""
-        if borrowed and self.snapshot and np.may_share_memory(data, arr):
-            return data.copy()
-        return data
+    def update(self, host, force: bool = False, view=None, key=None, exact: bool = False) -> bool:
+        """Write ``host`` into the buffer unless it already holds those values.
+
+        Parameters
+        ----------
+        host : array_like
+            Host values: a NumPy array (or a host array of another library) of
+            the destination's dtype, or a sequence converted to it.
+        force : bool
+            Issue even when the record says the values are unchanged.
+        view : array, optional
+            A view of the buffer's storage to write as a whole (e.g.
+            ``buf[:, :n]``); its record is keyed by its geometry. None writes
+            the first ``host.size`` elements of the flattened buffer.
+        key : hashable, optional
+            Names the record, so that several contents written to different
+            parts of the buffer each keep theirs.
+        exact : bool
+            Prefix updates: skip only when the record has exactly this length
+            (not merely starts with these values).
+
+        Returns
+        -------
+        bool
+            True when a copy was issued or staged (record-only buffers: when
+            the owner must copy); False when skipped as unchanged, or when
+            ``host`` is empty.
+
+        Raises
+        ------
+        TypeError
+            Dtype mismatch, or a read-only view.
+        ValueError
+            ``host`` longer than the buffer, a size that does not match
+            ``view``, or a ``view`` that is not of this buffer's storage; during
+            graph capture, values this buffer had to convert or copy.
+        CopyError
+            In check mode, a skip whose bytes are not on the device (raised
+            at the call, or at the active copier's next flush).
+        """
+        if view is None and key is None and force is False:
+            r = _py_fast_update(self, host, exact)
+            if r is not None:
+                return r
+        return self._update(host, force, view, key, exact)
+
+    if _FastUpdate is not None:
+        # the compiled twin of the fast path above, with no Python frame; it calls
+        # self._update for anything it does not take
+        update = _FastUpdate(
+            update, lambda self, *a, **kw: self._update(*a, **kw), _copier._active, _PREFIX, _Update
+        )
+
+    def _learn_route(self, host, arr, borrowed) -> None:
+        """A prefix update went through the active copier: later ones may take the fast path.
+
+        Only for a site the copier merges (the fast path skips as the segment's
+        ``try_skip`` does, and stages through its ``try_h2d``). A host array of
+        another library (a torch CPU tensor) is cached by the segment, as
+        ``copier.copy`` caches its sources, so that it is found again by identity.
+        """
+        c = _copier._active.get()
+        if c is None or self._fsite is None or self._fsite not in c._merge:
+            return
+        route = self._froute
+        if route is None or route[0]() is not c:
+            ref = weakref.ref(c, _forget_route(weakref.ref(self)))
+            self._froute = route = (ref, _counts_of(c), c._seg)
+        if borrowed and type(host) is not np.ndarray and host is not arr:
+            fp = fingerprint_fn(host)
+            if fp is not None:
+                route[2].remember_src(host, fp, arr, arr.dtype)
+
+    def _own(self, arr: np.ndarray, data: np.ndarray, borrowed: bool) -> tuple:
+        """The bytes a record keeps: a private copy of the caller's, unless ``snapshot=False``.
+
+        Returns ``(data, owned)``; ``owned``: a copy made here (see :class:`_Update`).
+        """
+        if borrowed and self.snapshot:
+            if np.may_share_memory(data, arr):
+                return data.copy(), True
+            return data, True  # _bytes already copied a non-contiguous array
+        return data, False
 
     # -- fill_tail --------------------------------------------------------------------------------
 

@@ -30,13 +30,13 @@ class SiteStats:
         Copies verified by check mode.
     """
 
-    __slots__ = ("_merged", "_owner", "eager", "skipped", "fallback", "checked")
+    __slots__ = ("_merged", "_owner", "eager", "_skipped", "fallback", "checked")
 
     def __init__(self, owner: CopyStats | None = None) -> None:
-        self._owner = owner  # folds the counts still pending before merged is read
+        self._owner = owner  # folds the counts still pending before merged/skipped is read
         self._merged = 0
         self.eager = 0
-        self.skipped = 0
+        self._skipped = 0
         self.fallback: collections.Counter[str] = collections.Counter()
         self.checked = 0
 
@@ -50,6 +50,17 @@ class SiteStats:
     @merged.setter
     def merged(self, value: int) -> None:
         self._merged = value
+
+    @property
+    def skipped(self) -> int:
+        """Copies skipped as ``unchanged`` (and empty tails)."""
+        if self._owner is not None:
+            self._owner.fold()
+        return self._skipped
+
+    @skipped.setter
+    def skipped(self, value: int) -> None:
+        self._skipped = value
 
     def as_dict(self) -> dict:
         """The counters as plain values."""
@@ -76,6 +87,9 @@ class CopyStats:
     pending : list
         Callables returning ``{site: merged copies}`` counted elsewhere since their
         last call (the copier's segment counts in C); folded into ``sites``.
+    pending_skipped : list
+        The same for skipped copies (``DeviceCopyBuffer.update``'s fast path counts
+        its skips apart, see :mod:`cucopy.buffer`).
     steps : int
         Steps begun.
     segments : int
@@ -93,6 +107,7 @@ class CopyStats:
     """
 
     pending: list[Callable[[], dict]]
+    pending_skipped: list[Callable[[], dict]]
     steps: int
     segments: int
     bytes_staged: int
@@ -105,6 +120,7 @@ class CopyStats:
             lambda: SiteStats(self)
         )
         self.pending = []
+        self.pending_skipped = []
         self._zero()
 
     def fold(self) -> None:
@@ -113,6 +129,9 @@ class CopyStats:
         for fold in self.pending:
             for site, n in fold().items():
                 sites[site]._merged += n
+        for fold in self.pending_skipped:
+            for site, n in fold().items():
+                sites[site]._skipped += n
 
     @property
     def sites(self) -> collections.defaultdict[CopySite, SiteStats]:
@@ -122,7 +141,7 @@ class CopyStats:
 
     def reset(self) -> None:
         """Zero every counter (counts still pending are dropped too)."""
-        for fold in self.pending:
+        for fold in (*self.pending, *self.pending_skipped):
             fold()
         self._sites.clear()
         self._zero()

@@ -768,3 +768,466 @@ def test_capture_refuses_arrays_of_the_buffers_making_by_name(env):
             assert buf.fill_tail(4, -1, site=Site.PAD) is True  # a FILL site is captured
         graph.replay(stream)
     assert env.to_host(t).reshape(-1).tolist() == [4, 4, 4, 4, -1, -1]
+
+
+# -- update()'s fast path ----------------------------------------------------------------------
+#
+# A NumPy prefix update through the active copier's fast step skips or stages without the
+# general path (compiled FastUpdate, or its Python twin under CUCOPY_PURE_PYTHON=1). These
+# tests count the general path's calls to cucopy.copier.copy to know which path ran, and
+# compare whole random programs against the general path alone.
+
+
+class _CopySpy:
+    """Counts the general path's calls (it issues and skips through cucopy.copier.copy)."""
+
+    def __init__(self, monkeypatch):
+        import cucopy.copier as copier_module
+
+        self.calls = 0
+        real = copier_module.copy
+
+        def spy(*args, **kw):
+            self.calls += 1
+            return real(*args, **kw)
+
+        monkeypatch.setattr(copier_module, "copy", spy)
+
+
+def test_the_compiled_fast_path_is_the_one_in_use():
+    import os
+
+    from cucopy import buffer, segment
+
+    if os.environ.get("CUCOPY_PURE_PYTHON"):
+        assert buffer.IMPLEMENTATION == "python"
+        assert buffer._FastUpdate is None
+        assert cc.DeviceCopyBuffer.__mro__[1] is buffer._PyBufferCore
+    else:
+        from cucopy import _segment
+
+        assert segment.IMPLEMENTATION == "compiled"
+        assert buffer.IMPLEMENTATION == "compiled"
+        assert isinstance(cc.DeviceCopyBuffer.__dict__["update"], _segment.FastUpdate)
+        assert cc.DeviceCopyBuffer.__mro__[1] is _segment.BufferCore
+
+
+def test_update_keeps_its_signature_and_doc():
+    import inspect
+
+    params = list(inspect.signature(cc.DeviceCopyBuffer.update).parameters)
+    assert params == ["self", "host", "force", "view", "key", "exact"]
+    assert "unless it already holds those values" in cc.DeviceCopyBuffer.update.__doc__
+
+
+def test_the_general_path_is_looked_up_on_the_instance(sim_env):
+    class Counting(cc.DeviceCopyBuffer):
+        calls = 0
+
+        def _update(self, *args, **kw):
+            Counting.calls += 1
+            return super()._update(*args, **kw)
+
+    c = sim_env.copier(PLAN)
+    buf = Counting(sim_env.empty((4,)), site=Site.LENS)
+    with c.activate(), c.step():
+        assert buf.update(i32(1, 2)) is True
+        assert buf.update(i32(1, 2)) is False  # the fast path
+        assert buf.update([1, 2]) is False  # a list: the general path
+    assert Counting.calls == 2
+
+
+def test_steady_state_takes_the_fast_path(sim_env, monkeypatch):
+    env = sim_env
+    c = env.copier(PLAN)
+    t = env.empty((8,))
+    buf = cc.DeviceCopyBuffer(t, site=Site.LENS)
+    a, b = np.arange(1, 9, dtype=np.int32), np.arange(11, 19, dtype=np.int32)
+    spy = _CopySpy(monkeypatch)
+    with c.activate():
+        with c.step():
+            assert buf.update(a) is True  # first sight: the general path
+        assert spy.calls == 1
+        for _ in range(6):
+            with c.step():
+                assert buf.update(a) is False  # skipped: one lookup, one compare
+                assert buf.update(a[:5]) is False  # a prefix of the record
+                assert buf.update(a, exact=True) is False
+            assert env.to_host(t).tolist() == a.tolist()
+        assert spy.calls == 1  # none of those reached the general path
+        for step in range(4):
+            with c.step():
+                v = b if step % 2 == 0 else a
+                assert buf.update(v) is True  # changed: staged on the fast path
+                assert buf.update(v) is False  # the record holds what was staged
+                assert c.staged == 1
+            assert env.to_host(t).tolist() == v.tolist()
+        assert spy.calls == 1
+    st = c.stats.sites[Site.LENS]
+    assert (st.merged, st.skipped, st.eager) == (5, 22, 0)
+
+
+def test_the_record_is_the_buffers_own_copy(env):
+    """The fast upload overwrites the record's private bytes, never the caller's array."""
+    c = env.copier(PLAN)
+    t = env.empty((4,))
+    buf = cc.DeviceCopyBuffer(t, site=Site.LENS)
+    host = i32(1, 2, 3, 4)
+    with c.activate():
+        with c.step():
+            assert buf.update(host) is True
+        for step in range(6):
+            with c.step():
+                assert buf.update(host) is False
+                host[1] = step  # refilled in place, passed again
+                assert buf.update(host) is True
+                assert buf.update(host) is False
+                host[1] = 9  # after the call: not what landed, nor what the record holds
+            assert env.to_host(t).tolist() == [1, step, 3, 4]
+            host[1] = step
+
+
+def test_fast_path_refuses_what_the_general_path_refuses(env, monkeypatch):
+    c = env.copier(PLAN)
+    t = env.empty((4,))
+    buf = cc.DeviceCopyBuffer(t, site=Site.LENS)
+    a = i32(1, 2, 3, 4)
+    with c.activate():
+        with c.step():
+            assert buf.update(a) is True
+        spy = _CopySpy(monkeypatch)
+        with c.step():
+            # the same bytes as another dtype: a dtype mismatch, not a skip
+            with pytest.raises(TypeError, match="dtype mismatch"):
+                buf.update(a.view(np.uint32))
+            with pytest.raises(TypeError, match="dtype mismatch"):
+                buf.update(a.view(np.float32))
+            with pytest.raises(ValueError, match="do not fit"):
+                buf.update(np.zeros(5, np.int32))
+            assert buf.update(np.zeros(0, np.int32)) is False  # empty: nothing written
+            assert buf.update(np.repeat(a, 2)[::2]) is False  # non-contiguous: general path
+            assert buf.update(a, force=True) is True
+            assert buf.update(a[:2], exact=True) is True  # the record is longer
+        assert spy.calls == 3  # the last three: the general path's
+    assert env.to_host(t).tolist() == [1, 2, 3, 4]
+
+
+def test_every_byte_counts_on_the_fast_path(env):
+    c = env.copier(PLAN)
+    t = env.empty((3,), np.int64)
+    buf = cc.DeviceCopyBuffer(t, site=Site.LENS)
+    a = np.array([1, -2, 3], np.int64)
+    with c.activate():
+        with c.step():
+            assert buf.update(a) is True
+        for i in range(a.nbytes):
+            b = a.copy()
+            b.view(np.uint8)[i] ^= 0x80
+            with c.step():
+                assert buf.update(b) is True, i
+                assert buf.update(a[:2]) is (i < 16), i  # a prefix of the record?
+                assert buf.update(a) is True, i
+                assert buf.update(a) is False, i
+    assert env.to_host(t).tolist() == [1, -2, 3]
+    assert c.stats.sites[Site.LENS].skipped == 24 + 8
+
+
+def test_torch_cpu_tensors_take_the_fast_path(sim_env, monkeypatch):
+    torch = pytest.importorskip("torch")
+    c = sim_env.copier(PLAN)
+    t = sim_env.empty((4,))
+    buf = cc.DeviceCopyBuffer(t, site=Site.LENS)
+    host = torch.tensor([1, 2, 3, 4], dtype=torch.int32)  # an engine's staging tensor
+    spy = _CopySpy(monkeypatch)
+    with c.activate():
+        with c.step():
+            assert buf.update(host) is True  # first sight: the general path caches it
+        for step in range(4):
+            with c.step():
+                assert buf.update(host) is False
+                host[0] = step  # refilled in place
+                assert buf.update(host) is True
+                assert buf.update(host) is False
+            assert sim_env.to_host(t).tolist() == [step, 2, 3, 4]
+        assert spy.calls == 1
+        with c.step():
+            with pytest.raises(TypeError, match="dtype mismatch"):
+                buf.update(host.to(torch.int64))
+            host.set_(torch.tensor([7, 8, 9, 10], dtype=torch.int32))  # new storage
+            assert buf.update(host) is True  # the segment's cache sees the new geometry
+            assert buf.update(host[:2]) is False  # a fresh view: the general path
+            assert buf.update(host) is False
+        assert spy.calls == 3  # the dtype mismatch is refused before any copy
+    assert sim_env.to_host(t).tolist() == [7, 8, 9, 10]
+    assert c.stats.sites[Site.LENS].skipped == 10
+
+
+def test_a_fast_upload_dropped_with_its_step_invalidates_the_record(env):
+    c = env.copier(PLAN)
+    t = env.empty((4,))
+    buf = cc.DeviceCopyBuffer(t, site=Site.LENS)
+    a, b = i32(1, 2, 3, 4), i32(5, 6, 7, 8)
+    with c.activate():
+        with c.step():
+            assert buf.update(a) is True
+        with pytest.raises(RuntimeError), c.step():
+            assert buf.update(b) is True  # the fast path: staged, the record holds b
+            raise RuntimeError("model failed")
+        assert buf.records == 0  # on_drop: b never landed
+        with c.step():
+            assert buf.update(b) is True
+    assert env.to_host(t).tolist() == [5, 6, 7, 8]
+
+
+def test_fast_path_after_invalidate_fill_and_view_writes(env):
+    c = env.copier(PLAN)
+    t = env.empty((6,))
+    buf = cc.DeviceCopyBuffer(t, site=Site.LENS)
+    a = np.arange(1, 7, dtype=np.int32)
+    with c.activate():
+        with c.step():
+            assert buf.update(a) is True
+        with c.step():
+            buf.invalidate()
+            assert buf.update(a) is True
+            assert buf.fill_tail(4, 0, site=Site.PAD) is True  # trims the record to 4
+            assert buf.update(a) is True
+            assert buf.update(a[:4]) is False
+            assert buf.update(i32(9, 9), view=t[1:3]) is True  # trims it to 1
+            assert buf.update(a[:2]) is True
+            assert buf.update(a[:1]) is False
+    assert env.to_host(t).tolist() == [1, 2, 9, 4, 5, 6]
+
+
+def test_a_barrier_site_update_lands_on_the_fast_path(env):
+    c = env.copier(PLAN)
+    t = env.empty((4,))
+    buf = cc.DeviceCopyBuffer(t, site=Site.TABLE)
+    a, b = i32(1, 2, 3, 4), i32(4, 3, 2, 1)
+    with c.activate():
+        with c.step():
+            assert buf.update(a) is True
+        for v in (b, a, b):
+            with c.step():
+                assert buf.update(v) is True
+                assert c.staged == 0  # flushed right after: a barrier
+                assert buf.update(v) is False
+            assert env.to_host(t).tolist() == v.tolist()
+    st = c.stats.sites[Site.TABLE]
+    assert (st.merged, st.skipped) == (4, 3)
+    assert c.stats.segments == 4
+
+
+def test_unmerged_sites_and_record_only_buffers_take_the_general_path(env, monkeypatch):
+    c = env.copier(PLAN)
+    t, u = env.empty((4,)), env.empty((4,))
+    plain = cc.DeviceCopyBuffer(t, site=Site.PLAIN)
+    owner = cc.DeviceCopyBuffer(u, site=None)
+    a = i32(1, 2, 3, 4)
+    spy = _CopySpy(monkeypatch)
+    with c.activate():
+        for step in range(3):
+            with c.step():
+                assert plain.update(a) is (step == 0)
+                assert owner.update(a) is (step == 0)
+    assert spy.calls == 3  # plain's, every time (owner copies nothing)
+    assert plain._froute is None and owner._froute is None
+    st = c.stats.sites[Site.PLAIN]
+    assert (st.eager, st.skipped, st.merged) == (1, 2, 0)
+
+
+def test_capture_and_check_mode_take_the_general_path(env, monkeypatch):
+    stream = env.stream()
+    c = env.copier(PLAN, stream=stream)
+    t = env.empty((4,))
+    buf = cc.DeviceCopyBuffer(t, site=Site.LENS)
+    src = env.pinned((4,))
+    src[:] = 3
+    with c.activate():
+        with c.step():
+            assert buf.update(src) is True
+        with c.step():
+            assert buf.update(src) is False  # the route is known
+        with env.capture(stream) as graph, c.step():
+            assert buf.update(src) is True  # captured: always issued, no record
+            assert buf.records == 0
+        graph.replay(stream)
+        with c.step():
+            assert buf.update(src) is True
+        env.write(stream, t, 7)  # foreign work behind the record
+        monkeypatch.setattr(check, "CHECK_MODE", True)
+        with pytest.raises(cc.CopyError, match=r"Site\.LENS"), c.step():
+            assert buf.update(src) is False  # check mode: verified, not fast
+    assert c.stats.sites[Site.LENS].fallback["capture"] == 1
+
+
+def test_another_copier_or_thread_takes_the_general_path(sim_env):
+    import gc
+    import threading
+
+    env = sim_env
+    c1, c2 = env.copier(PLAN), env.copier(PLAN)
+    t = env.empty((4,))
+    buf = cc.DeviceCopyBuffer(t, site=Site.LENS)
+    a = i32(1, 2, 3, 4)
+    with c1.activate(), c1.step():
+        assert buf.update(a) is True
+        assert buf.update(a) is False
+    with c2.activate(), c2.step():
+        assert buf.update(a) is False  # counted by c2, the copier it went through
+        assert buf.update(a) is False
+    assert c1.stats.sites[Site.LENS].skipped == 1
+    assert c2.stats.sites[Site.LENS].skipped == 2
+    # a step of c1 open in this thread: another thread's update through c1 is refused
+    errors = []
+
+    def other():
+        with c1.activate():
+            try:
+                buf.update(a)
+            except cc.CopyError as e:
+                errors.append(e)
+
+    with c1.activate(), c1.step():
+        assert buf.update(a) is False
+        th = threading.Thread(target=other)
+        th.start()
+        th.join()
+    assert len(errors) == 1 and "another thread" in str(errors[0])
+    # a copier collected: the buffer forgets its route (and the copier's segment)
+    with c2.activate(), c2.step():
+        assert buf.update(a) is False
+    assert buf._froute is not None
+    c2.close()
+    del c2
+    gc.collect()
+    assert buf._froute is None
+
+
+def test_skip_counts_fold_into_the_stats(sim_env):
+    env = sim_env
+    c = env.copier(PLAN)
+    t = env.empty((4,))
+    buf = cc.DeviceCopyBuffer(t, site=Site.LENS)
+    a = i32(1, 2, 3, 4)
+    with c.activate():
+        with c.step():
+            buf.update(a)
+        st = c.stats.sites[Site.LENS]  # held across the skips: reads fold them in
+        with c.step():
+            for _ in range(5):
+                buf.update(a)
+        assert st.skipped == 5
+        assert c.stats.as_dict()["sites"]["Site.LENS"]["skipped"] == 5
+        c.stats.reset()  # pending skips are dropped too
+        assert c.stats.sites[Site.LENS].skipped == 0
+        with c.step():
+            buf.update(a)
+    assert c.stats.sites[Site.LENS].skipped == 1
+
+
+def _random_program(env, seed, fast: bool, monkeypatch):
+    """Random updates on three buffers and two copiers; returns what every call answered,
+    the device after each step and the final counters."""
+    from cucopy.buffer import DeviceCopyBuffer
+
+    if not fast:  # the route is never learnt: every update takes the general path
+        monkeypatch.setattr(DeviceCopyBuffer, "_learn_route", lambda self, *a: None)
+    rng = np.random.default_rng(seed)
+    copiers = [env.copier(PLAN, slots=2, capacity=8192), env.copier(PLAN)]
+    ts = [env.empty((8,)), env.empty((8,)), env.empty((8,))]
+    bufs = [
+        cc.DeviceCopyBuffer(ts[0], site=Site.LENS),
+        cc.DeviceCopyBuffer(ts[1], site=Site.TABLE),
+        cc.DeviceCopyBuffer(ts[2], site=Site.LENS, snapshot=False),
+    ]
+    palette = [np.arange(8, dtype=np.int32) % k for k in (2, 3)] + [np.ones(8, np.int32)]
+    scratch = np.zeros(8, np.int32)  # refilled in place by the caller
+    try:
+        import torch
+
+        tscratch = torch.from_numpy(scratch)  # the same bytes, as a torch CPU tensor
+    except ImportError:
+        tscratch = None
+    trace = []
+    spy = _CopySpy(monkeypatch)
+
+    def call(fn, *a, **kw):
+        try:
+            trace.append(fn(*a, **kw))
+        except Exception as e:  # noqa: BLE001 - the error's type is part of the trace
+            trace.append(type(e).__name__)
+
+    for _ in range(120):
+        c = copiers[int(rng.random() < 0.2)]
+        mode = rng.random()
+        fail = rng.random() < 0.08
+        with c.activate():
+            try:
+                if mode < 0.9:
+                    c.begin()
+                for _ in range(int(rng.integers(1, 7))):
+                    i = int(rng.integers(0, 3))
+                    buf, t = bufs[i], ts[i]
+                    k = int(rng.choice([2, 5, 8, 8, 8]))
+                    vals = palette[int(rng.integers(0, 3))][:k]
+                    op = rng.random()
+                    if i == 2:  # snapshot=False: a fresh array every time
+                        vals = vals.copy()
+                    elif op < 0.3:
+                        scratch[:k] = vals
+                        vals = scratch[:k]
+                    if op < 0.1 and i != 2 and tscratch is not None:
+                        scratch[:] = palette[int(rng.integers(0, 3))]
+                        call(buf.update, tscratch if k == 8 else tscratch[:k])
+                    elif op < 0.6:
+                        call(buf.update, vals)
+                    elif op < 0.68:
+                        call(buf.update, vals, exact=True)
+                    elif op < 0.72:
+                        call(buf.update, vals, force=True)
+                    elif op < 0.75:
+                        call(buf.update, vals.astype(np.int64))
+                    elif op < 0.78:
+                        call(buf.update, np.repeat(vals, 2)[::2])
+                    elif op < 0.81:
+                        call(buf.update, vals.tolist())
+                    elif op < 0.85:
+                        call(buf.fill_tail, int(rng.integers(0, 9)), 0, site=Site.PAD)
+                    elif op < 0.89:
+                        call(buf.update, vals[:2], view=t[3:5])
+                    elif op < 0.92:
+                        call(buf.invalidate)
+                    elif op < 0.95:
+                        call(buf.update, np.zeros(9, np.int32))
+                    else:
+                        call(buf.update, vals.reshape(1, -1))
+                if fail:
+                    raise _StepFailed()
+                if c.in_step:
+                    c.flush()
+            except _StepFailed:
+                c.discard()
+        trace.append([env.to_host(x).tolist() for x in ts])
+    stats = [
+        {s.label: v.as_dict() for s, v in sorted(c.stats.sites.items(), key=lambda kv: kv[0].label)}
+        for c in copiers
+    ]
+    for c in copiers:
+        c.close()
+    return trace, stats, spy.calls
+
+
+def test_random_programs_answer_as_the_general_path(monkeypatch):
+    from conftest import SimEnv
+
+    for seed in range(6):
+        with monkeypatch.context() as m:
+            fast = _random_program(SimEnv("random", seed), seed, True, m)
+        with monkeypatch.context() as m:
+            slow = _random_program(SimEnv("random", seed), seed, False, m)
+        assert fast[0] == slow[0], seed
+        assert fast[1] == slow[1], seed
+        assert fast[2] < slow[2] * 0.85, (seed, fast[2], slow[2])  # the fast path ran
+        answers = [x for x in fast[0] if not isinstance(x, list)]
+        assert {True, False, "TypeError", "ValueError"} <= set(answers)
