@@ -2352,10 +2352,7 @@ static PyObject *fastupdate_call(FastUpdate *f, PyObject *const *args, size_t na
         hnd = a->nd;
         hdtype = a->descr;
     } else {
-        PyObject *key = PyLong_FromVoidPtr(host);
-        if (!key) return NULL;
-        sc = (Cached *)PyDict_GetItemWithError(s->scache, key);
-        Py_DECREF(key);
+        sc = (Cached *)front_get(&s->sfront, s->scache, host);
         if (!sc) { if (PyErr_Occurred()) return NULL; goto rest; }
         Py_INCREF(sc);
         if (sc->ndim < 0 || sc->nbytes % b->fitem || !cached_valid(sc, host)) goto rest_sc;
