@@ -115,7 +115,7 @@ step versions 30 bash -c versions
 # CUPY_CACHE_DIR), the same cache warm, and cold with the kernels built one at a time
 step cold_start 120 "$PY" bench/cold_start.py --json "$work/bench/cold_start.json"
 
-step pytest_gpu 170 "$PY" -m pytest -m gpu -q -p no:cacheprovider -o faulthandler_timeout=60 tests/
+step pytest_gpu 220 "$PY" -m pytest -m gpu -q -p no:cacheprovider -o faulthandler_timeout=60 tests/
 
 sanitizer=$(command -v compute-sanitizer || true)
 if [[ ! -f bench/kernel_check.py ]]; then
