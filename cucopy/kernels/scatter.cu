@@ -810,6 +810,11 @@ extern "C" __global__ void __launch_bounds__(CUCOPY_THREADS)
 cucopy_scatter_feed(const unsigned char* __restrict__ box, unsigned int entries,
                     unsigned int feed, unsigned long long* status)
 {
+    // The entry is read once per block into shared memory with wide loads, all at
+    // once: a read of mapped memory crosses the bus (~1 us), and the first build,
+    // where every thread read the head and the table in place, made dependent reads
+    // that queued behind each other, ~25 us a block (run 28, graph_feed.log).
+    __shared__ __align__(16) cucopy_u8 s_entry[CUCOPY_FEED_ENTRY_BYTES];
     __shared__ cucopy_u64 s_replay;
     const unsigned t = threadIdx.x;
     if (feed >= CUCOPY_FEED_MAX || entries == 0u) {
@@ -820,14 +825,40 @@ cucopy_scatter_feed(const unsigned char* __restrict__ box, unsigned int entries,
     }
     __syncthreads();
     const cucopy_u64 r = s_replay;
-    const cucopy_u8* e = box + (r % entries) * (cucopy_u64)CUCOPY_FEED_ENTRY_BYTES;
-    // the host rewrites entries between replays: read the head past any cache
-    const volatile CucopyFeedEntry* hp = reinterpret_cast<const volatile CucopyFeedEntry*>(e);
+    const uint4* e = reinterpret_cast<const uint4*>(
+        box + (r % entries) * (cucopy_u64)CUCOPY_FEED_ENTRY_BYTES);
+    // Round one, a load a thread, all at once (__ldcv: fetched again, never from a
+    // cache: the host rewrites entries): the entry's head and the segment's header
+    // (4 words), and this block's descriptor where a one-descriptor-a-block table
+    // puts it (3 words). A segment that needs more (a table with block starts, or
+    // more blocks than the grid) loads its whole table in a second round.
+    constexpr unsigned kHeadWords = (CUCOPY_FEED_HEAD + CUCOPY_HEADER_BYTES) / 16u;
+    const unsigned mine = (CUCOPY_FEED_HEAD + CUCOPY_HEADER_BYTES
+                           + blockIdx.x * CUCOPY_DESC_BYTES) / 16u;
+    constexpr unsigned kWords = CUCOPY_FEED_ENTRY_BYTES / 16u;
+    uint4* sw = reinterpret_cast<uint4*>(s_entry);
+    if (t < kHeadWords) {
+        sw[t] = __ldcv(e + t);
+    } else if (t < kHeadWords + 3u && mine + (t - kHeadWords) < kWords) {
+        sw[mine + (t - kHeadWords)] = __ldcv(e + mine + (t - kHeadWords));
+    }
+    __syncthreads();
+    const CucopyFeedEntry* hp = reinterpret_cast<const CucopyFeedEntry*>(s_entry);
     const cucopy_u64 tag = hp->tag;
     const cucopy_u64 seg = hp->seg;
     const cucopy_u32 have = hp->nbytes;
-    const cucopy_u8* bytes = e + CUCOPY_FEED_HEAD;
     if (tag == r && have >= CUCOPY_HEADER_BYTES && have <= CUCOPY_FEED_CAPACITY) {
+        const CucopyHeader* h = reinterpret_cast<const CucopyHeader*>(s_entry + CUCOPY_FEED_HEAD);
+        const bool one_round = h->desc_offset == CUCOPY_HEADER_BYTES && h->ndesc == h->nblocks
+                               && h->nblocks <= gridDim.x;
+        if (!one_round) {
+            const unsigned words = (CUCOPY_FEED_HEAD + have + 15u) / 16u;
+            for (unsigned i = kHeadWords + t; i < words; i += CUCOPY_THREADS) {
+                sw[i] = __ldcv(e + i);
+            }
+        }
+        __syncthreads();
+        const cucopy_u8* bytes = s_entry + CUCOPY_FEED_HEAD;
         const cucopy_u32 nblocks = reinterpret_cast<const CucopyHeader*>(bytes)->nblocks;
         for (cucopy_u32 vb = blockIdx.x; vb < nblocks; vb += gridDim.x) {
             cucopy_carried_block<CUCOPY_FEED_CAPACITY>(bytes, have, seg, vb);
