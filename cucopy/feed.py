@@ -43,6 +43,9 @@ from .errors import CopyError
 
 __all__ = ["GraphFeed"]
 
+# where a segment header's block count lies (pack.HEADER_DTYPE)
+_NBLOCKS_AT = pack.HEADER_DTYPE.fields["nblocks"][1]  # type: ignore[index]
+
 
 class GraphFeed:
     """The handle of one scatter node captured into an engine's CUDA graph.
@@ -75,14 +78,18 @@ class GraphFeed:
         ring = copier._ring
         self.entries = ring.slots
         self.blocks = blocks
-        nbytes = self.entries * pack.FEED_ENTRY_BYTES + pack.FEED_STATUS_BYTES
-        self._box = be.alloc_feed(nbytes)
+        lanes = self.entries * pack.FEED_ENTRY_BYTES
+        status = lanes + self.entries * blocks * pack.FEED_LANE_BYTES
+        self._box = be.alloc_feed(status + pack.FEED_STATUS_BYTES)
         try:
             self._box.array[:] = 0
-            self._status = self._box.array[self.entries * pack.FEED_ENTRY_BYTES :][:8].view(
-                np.uint64
+            self._status = self._box.array[status:][:8].view(np.uint64)
+            # lane (i, b): entry i's head and header, for block b (pack.py, Graph feeds)
+            self._lanes = self._box.array[lanes:status].reshape(
+                self.entries, blocks, pack.FEED_LANE_BYTES
             )
-            status_ptr = self._box.device_ptr + self.entries * pack.FEED_ENTRY_BYTES
+            self._lane_tags = self._lanes.view(np.uint64)[:, :, 0]
+            status_ptr = self._box.device_ptr + status
             self.index = be.feed_capture(
                 self._box.device_ptr, self.entries, blocks, status_ptr, copier.stream
             )
@@ -151,6 +158,7 @@ class GraphFeed:
         c.backend.synchronize(c.stream)
         for i in range(self.entries):
             self._q[i * pack.FEED_ENTRY_BYTES // 8] = 0
+        self._lane_tags[:] = 0
         self._posted = [None] * self.entries
         self._replays = int(self._status[0])
 
@@ -194,6 +202,12 @@ class GraphFeed:
         q[w + 1] = seg_device
         q[w + 2] = n
         q[w] = tag
+        # each block the segment uses reads its own copy of the head and header
+        nblocks = int.from_bytes(head[_NBLOCKS_AT : _NBLOCKS_AT + 4], "little")
+        base = i * pack.FEED_ENTRY_BYTES
+        self._lanes[i, : min(nblocks, self.blocks)] = self._box.array[
+            base : base + pack.FEED_LANE_BYTES
+        ]
         self._posted[i] = turn
         self.posts += 1
 
@@ -201,10 +215,12 @@ class GraphFeed:
         w = (tag % self.entries) * pack.FEED_ENTRY_BYTES // 8
         if self._q[w] == tag:
             self._q[w] = 0
+            self._lane_tags[tag % self.entries] = 0
             self._posted[tag % self.entries] = None
 
     def close(self) -> None:
         """Free the mailbox (the copier's ``close()`` does it; waits for the device)."""
         self._mv.release()
         self._q.release()
+        self._lanes = self._lane_tags = None
         self._box.close()

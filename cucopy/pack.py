@@ -47,6 +47,7 @@ __all__ = [
     "FEED_ENTRY_BYTES",
     "FEED_HEAD_BYTES",
     "FEED_CAPACITY",
+    "FEED_LANE_BYTES",
     "FEED_STATUS_BYTES",
     "FEED_ENTRY_POINT",
     "FEED_MAX",
@@ -192,8 +193,13 @@ assert HEADER_BYTES == 32 and DESC_BYTES == 48, "internal: wire format size chan
 # it only when its ``tag`` is r. An entry is its FEED_ENTRY_DTYPE head followed by
 # the segment's first ``nbytes`` bytes (at least the header and the whole table, as a
 # carried launch takes them); bytes past ``nbytes`` are read at ``seg`` (the ring
-# slot's mapped address). The status area's first 8 bytes receive the device's replay
-# count after each replay (how the host notices replays it did not issue).
+# slot's mapped address). After the entries come the lanes: ``entries x blocks`` of
+# FEED_LANE_BYTES, lane ``(i, b)`` a copy of entry i's head and the segment's header
+# for block b of the node, written for every block the segment uses (the node's
+# blocks read their own lane: reads of one address of mapped memory from many blocks
+# queue behind each other, ~1 us each on the H200, bench/results/2026-12-01-h200-run28).
+# The status area follows: its first 8 bytes receive the device's replay count after
+# each replay (how the host notices replays it did not issue).
 FEED_ENTRY_DTYPE = np.dtype(
     [
         ("tag", "<u8"),  # the replay this entry is for (0: none)
@@ -206,12 +212,14 @@ FEED_ENTRY_DTYPE = np.dtype(
 FEED_HEAD_BYTES = FEED_ENTRY_DTYPE.itemsize
 FEED_ENTRY_BYTES = 16384
 FEED_CAPACITY = FEED_ENTRY_BYTES - FEED_HEAD_BYTES
+FEED_LANE_BYTES = 64
 FEED_STATUS_BYTES = 64
 FEED_ENTRY_POINT = "cucopy_scatter_feed"
 #: Feeds a process may capture per device: each has a replay counter in the feed
 #: kernel's module (zero when the module loads, never reused)
 FEED_MAX = 4096
 assert FEED_HEAD_BYTES == 32, "internal: feed entry head size changed"
+assert FEED_LANE_BYTES == FEED_HEAD_BYTES + HEADER_BYTES, "internal: a lane is head + header"
 
 
 def align(n: int, a: int = ALIGN) -> int:

@@ -530,3 +530,36 @@ def test_resetting_the_stats_does_not_make_entries_look_busy(sim_env):
     assert r.feed.fallbacks == 0 and r.feed.posts == 8
     assert [h[0] for h in r.history()] == list(range(8))
     r.close()
+
+
+def test_every_block_the_segment_uses_gets_its_own_lane(sim_env, monkeypatch):
+    # the node's block b reads the entry's head and header from lane b (reads of one
+    # address of mapped memory from many blocks queue on the GPU); the sim checks each
+    # lane the segment needs holds this replay's head, so a post that forgot one fails
+    r = Rig(sim_env, blocks=4)
+    host = np.arange(N, dtype=np.int32)
+    with r.c.step(graph=r.feed):
+        for k in range(3):  # several descriptors: several blocks
+            r.c.copy(Site.A, r.a[16 * k : 16 * k + 16], host[16 * k : 16 * k + 16])
+    r.replay()
+    lanes = r.feed._lanes
+    i = r.feed.replays % r.feed.entries
+    entry = r.feed._box.array[i * pack.FEED_ENTRY_BYTES :][: pack.FEED_LANE_BYTES]
+    used = [b for b in range(r.feed.blocks) if lanes[i, b].tobytes() == entry.tobytes()]
+    assert len(used) >= 2 and used == list(range(len(used)))
+    assert r.history()[-1][:48] == list(range(48))
+    # a post whose lanes were not written: the node's blocks would land nothing
+    post = type(r.feed)._post
+
+    def forgetful(self, tag, seg, head, turn):
+        post(self, tag, seg, head, turn)
+        self._lanes[tag % self.entries, 1:] = 0
+
+    monkeypatch.setattr(type(r.feed), "_post", forgetful)
+    with r.c.step(graph=r.feed):
+        for k in range(3):
+            r.c.copy(Site.A, r.a[16 * k : 16 * k + 16], host[16 * k : 16 * k + 16] + 1)
+    with pytest.raises(cc.CopyError, match="lane 1 of replay 2"):
+        r.replay()  # the node runs here under the eager policy, later under the others
+        r.history()
+    monkeypatch.undo()

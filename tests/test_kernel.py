@@ -147,6 +147,7 @@ def feed_asserts() -> str:
         "CUCOPY_FEED_ENTRY_BYTES": pack.FEED_ENTRY_BYTES,
         "CUCOPY_FEED_CAPACITY": pack.FEED_CAPACITY,
         "CUCOPY_FEED_MAX": pack.FEED_MAX,
+        "CUCOPY_FEED_LANE": pack.FEED_LANE_BYTES,
     }
     return "".join(f'static_assert({k} == {v}, "{k} != {v}");\n' for k, v in pairs.items())
 

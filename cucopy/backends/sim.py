@@ -759,7 +759,8 @@ class SimBackend(Backend):
             raise CopyError("sim: the feed node must be captured (the stream is not capturing)")
         if not 0 < blocks <= 65535:
             raise ValueError(f"feed_capture: blocks must be in [1, 65535], got {blocks}")
-        dev._mem(box_ptr, entries * pack.FEED_ENTRY_BYTES)  # mapped memory, checked now
+        # mapped memory (the entries and their lanes), checked now
+        dev._mem(box_ptr, entries * (pack.FEED_ENTRY_BYTES + blocks * pack.FEED_LANE_BYTES))
         state, _ = dev._alloc(16)  # the replay counter, zero (as the kernel module's array)
         index = dev._feeds
         dev._feeds += 1
@@ -774,6 +775,17 @@ class SimBackend(Backend):
                 # read when the node runs, as the kernel reads mapped memory
                 carried = dev._mem(entry + pack.FEED_HEAD_BYTES, have).tobytes()
                 header, _ = pack.decode(carried[: pack.HEADER_BYTES])
+                # the kernel's block b reads its own lane (pack.py, Graph feeds): a lane
+                # not posted for this replay would leave block b's work undone
+                first = dev._mem(entry, pack.FEED_LANE_BYTES).tobytes()
+                lanes = box + k * pack.FEED_ENTRY_BYTES
+                for b in range(min(int(header["nblocks"]), blocks)):
+                    at = lanes + ((r % k) * blocks + b) * pack.FEED_LANE_BYTES
+                    if dev._mem(at, pack.FEED_LANE_BYTES).tobytes() != first:
+                        raise SimMemoryError(
+                            f"sim: feed {index}: lane {b} of replay {r} does not hold the "
+                            "entry's head: the kernel's block would land nothing"
+                        )
                 total = int(header["total_bytes"])
                 seg = carried[:total]
                 if total > len(seg):

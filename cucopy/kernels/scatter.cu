@@ -789,6 +789,7 @@ CUCOPY_CARRIED_ENTRY(cucopy_scatter_c32k, 32736)
 #define CUCOPY_FEED_ENTRY_BYTES 16384u
 #define CUCOPY_FEED_CAPACITY (CUCOPY_FEED_ENTRY_BYTES - CUCOPY_FEED_HEAD)
 #define CUCOPY_FEED_MAX 4096u
+#define CUCOPY_FEED_LANE 64u
 
 // pack.FEED_ENTRY_DTYPE
 struct CucopyFeedEntry {
@@ -829,7 +830,7 @@ cucopy_scatter_feed(const unsigned char* __restrict__ box, unsigned int entries,
         box + (r % entries) * (cucopy_u64)CUCOPY_FEED_ENTRY_BYTES);
     // Round one, a load a thread, all at once (__ldcv: fetched again, never from a
     // cache: the host rewrites entries): the entry's head and the segment's header
-    // (4 words), and this block's descriptor where a one-descriptor-a-block table
+    // (4 words, from the block's lane), and this block's descriptor where a one-descriptor-a-block table
     // puts it (3 words). A segment that needs more (a table with block starts, or
     // more blocks than the grid) loads its whole table in a second round.
     constexpr unsigned kHeadWords = (CUCOPY_FEED_HEAD + CUCOPY_HEADER_BYTES) / 16u;
@@ -837,8 +838,13 @@ cucopy_scatter_feed(const unsigned char* __restrict__ box, unsigned int entries,
                            + blockIdx.x * CUCOPY_DESC_BYTES) / 16u;
     constexpr unsigned kWords = CUCOPY_FEED_ENTRY_BYTES / 16u;
     uint4* sw = reinterpret_cast<uint4*>(s_entry);
+    // the head and header from this block's own lane (pack.py, Graph feeds): reads of
+    // one address of mapped memory from many blocks queue behind each other
+    const uint4* lane = reinterpret_cast<const uint4*>(
+        box + (cucopy_u64)entries * CUCOPY_FEED_ENTRY_BYTES
+        + ((r % entries) * gridDim.x + blockIdx.x) * (cucopy_u64)CUCOPY_FEED_LANE);
     if (t < kHeadWords) {
-        sw[t] = __ldcv(e + t);
+        sw[t] = __ldcv(lane + t);
     } else if (t < kHeadWords + 3u && mine + (t - kHeadWords) < kWords) {
         sw[mine + (t - kHeadWords)] = __ldcv(e + mine + (t - kHeadWords));
     }
