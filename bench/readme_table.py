@@ -34,6 +34,7 @@ ROWS = (
     ("cucopy_inline", "cucopy `inline`"),
     ("cucopy_auto", "**cucopy `auto`**"),
     ("cucopy_pinned_src", "cucopy `auto`, sources in pinned torch tensors"),
+    ("cucopy_graph", "cucopy graph feed (copies landed by a node inside the graph)"),
 )
 
 
