@@ -129,6 +129,26 @@ class _Step:
         return False
 
 
+class _Activation:
+    """What :meth:`DeviceCopier.activate` returns: the copier active inside the block."""
+
+    __slots__ = ("_copier", "_token")
+
+    def __init__(self, copier: DeviceCopier):
+        self._copier = copier
+        self._token = None
+
+    def __enter__(self) -> DeviceCopier:
+        self._token = _active.set(self._copier)
+        return self._copier
+
+    def __exit__(self, *exc) -> bool:
+        token, self._token = self._token, None
+        if token is not None:
+            _active.reset(token)
+        return False
+
+
 class DeviceCopier:
     """Routes a step's copies through named sites and merges what the plan allows.
 
@@ -408,6 +428,10 @@ class DeviceCopier:
         if self._closed or (self._in_step and self._owner != _get_ident()):
             self._live()  # raises
         seg = self._seg
+        if not seg.staged and self._checker is None:
+            slot = self._ring.current
+            if slot is None or not slot.dirty:
+                return  # nothing to land, no event to record: no capture query either
         if self._backend.is_capturing(self._stream):
             if seg.staged:
                 raise CopyError(
@@ -644,14 +668,13 @@ class DeviceCopier:
         st.bytes_staged += total
         seg.finish()
 
-    @contextlib.contextmanager
-    def activate(self):
-        """Make this the active copier for :func:`cucopy.copy` in this thread / task."""
-        token = _active.set(self)
-        try:
-            yield self
-        finally:
-            _active.reset(token)
+    def activate(self) -> _Activation:
+        """Make this the active copier for :func:`cucopy.copy` in this thread / task.
+
+        Use it as ``with copier.activate():``; leaving the block restores the copier
+        that was active before (a class, not a generator: cheaper per step).
+        """
+        return _Activation(self)
 
     # -- validation ----------------------------------------------------------------------
 

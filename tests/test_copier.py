@@ -741,3 +741,57 @@ def test_a_capture_that_ends_inside_a_step_is_refused(env):
     src[:] = 6
     graph.replay(stream)
     assert env.to_host(a).tolist() == [6] * 4
+
+
+def test_activate_nests_and_restores_the_previous_copier_even_on_errors():
+    from cucopy.backends.sim import SimDevice
+    from cucopy.copier import _active
+
+    class S(cc.CopySite):
+        A = cc.H2D
+
+    dev = SimDevice()
+    plan = cc.CopyPlan(merge={S.A})
+    one = cc.DeviceCopier(plan, stream=dev.default_stream, device=dev, backend="sim")
+    two = cc.DeviceCopier(plan, stream=dev.default_stream, device=dev, backend="sim")
+    assert _active.get() is None
+    with one.activate() as got:
+        assert got is one and _active.get() is one
+        with pytest.raises(KeyError):
+            with two.activate():
+                assert _active.get() is two
+                raise KeyError("inner")
+        assert _active.get() is one
+        act = two.activate()
+        assert _active.get() is one  # nothing happens before the block is entered
+        with act:
+            assert _active.get() is two
+        assert _active.get() is one
+    assert _active.get() is None
+    one.close()
+    two.close()
+
+
+def test_flush_with_nothing_staged_queries_nothing():
+    # an empty step's flush has nothing to land and no event to record
+    from cucopy.backends.sim import SimDevice
+
+    class S(cc.CopySite):
+        A = cc.H2D
+
+    dev = SimDevice()
+    c = cc.DeviceCopier(
+        cc.CopyPlan(merge={S.A}), stream=dev.default_stream, device=dev, backend="sim"
+    )
+    calls = []
+    query = c._backend.is_capturing
+    c._backend.is_capturing = lambda s: calls.append(s) or query(s)
+    with c.step():
+        pass
+    assert len(calls) == 1  # begin()'s own
+    dst = dev.zeros((4,), np.int32)
+    with c.step():
+        c.copy(S.A, dst, np.arange(4, dtype=np.int32))
+    assert len(calls) == 3  # begin() and a flush with a segment to land
+    assert dev.to_host(dst).tolist() == [0, 1, 2, 3]
+    c.close()
