@@ -1968,14 +1968,19 @@ static PyObject *fastcopy_get(PyObject *f, PyObject *obj, PyObject *type) {
     return PyMethod_New(f, obj);
 }
 
-static PyObject *fastcopy_getattro(FastCopy *f, PyObject *name) {
-    /* __doc__, __name__, __wrapped__ (for inspect.signature) ... from the Python copy() */
-    if (PyUnicode_CompareWithASCIIString(name, "__doc__") == 0) return PyObject_GetAttr(f->full, name);
-    PyObject *r = PyObject_GenericGetAttr((PyObject *)f, name);
+/* A compiled wrapper's attributes: __doc__, __name__, __wrapped__ (for
+ * inspect.signature) ... from the Python function it wraps (full) */
+static PyObject *wrapper_getattro(PyObject *self, PyObject *full, PyObject *name) {
+    if (PyUnicode_CompareWithASCIIString(name, "__doc__") == 0) return PyObject_GetAttr(full, name);
+    PyObject *r = PyObject_GenericGetAttr(self, name);
     if (r || !PyErr_ExceptionMatches(PyExc_AttributeError)) return r;
     PyErr_Clear();
-    if (PyUnicode_CompareWithASCIIString(name, "__wrapped__") == 0) return Py_NewRef(f->full);
-    return PyObject_GetAttr(f->full, name);
+    if (PyUnicode_CompareWithASCIIString(name, "__wrapped__") == 0) return Py_NewRef(full);
+    return PyObject_GetAttr(full, name);
+}
+
+static PyObject *fastcopy_getattro(FastCopy *f, PyObject *name) {
+    return wrapper_getattro((PyObject *)f, f->full, name);
 }
 
 static PyTypeObject FastCopyType = {
@@ -2492,13 +2497,7 @@ static void fastupdate_dealloc(FastUpdate *f) {
 }
 
 static PyObject *fastupdate_getattro(FastUpdate *f, PyObject *name) {
-    /* __doc__, __name__, __wrapped__ (for inspect.signature) ... from the Python update() */
-    if (PyUnicode_CompareWithASCIIString(name, "__doc__") == 0) return PyObject_GetAttr(f->full, name);
-    PyObject *r = PyObject_GenericGetAttr((PyObject *)f, name);
-    if (r || !PyErr_ExceptionMatches(PyExc_AttributeError)) return r;
-    PyErr_Clear();
-    if (PyUnicode_CompareWithASCIIString(name, "__wrapped__") == 0) return Py_NewRef(f->full);
-    return PyObject_GetAttr(f->full, name);
+    return wrapper_getattro((PyObject *)f, f->full, name);
 }
 
 static PyTypeObject FastUpdateType = {

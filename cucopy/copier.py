@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import threading
 import weakref
@@ -648,13 +647,7 @@ class DeviceCopier:
         except BaseException as exc:
             if posted:
                 feed._unpost(tag)
-            seg.reset()
-            seg.set_cursor(pack.align(seg.cursor))
-            slot.dirty = True
-            try:
-                self._run_drops(entries)
-            except CopyError:
-                pass
+            self._drop_segment(entries)
             if isinstance(exc, CopyError) or not isinstance(exc, Exception):
                 raise
             raise CopyError(
@@ -1244,6 +1237,17 @@ class DeviceCopier:
         self.stats.eager_flushes += 1
         self._flush_segment()
 
+    def _drop_segment(self, entries) -> None:
+        """A segment whose launch failed: drop it (the slot stays usable), run its ``on_drop``."""
+        seg = self._seg
+        seg.reset()
+        seg.set_cursor(pack.align(seg.cursor))
+        self._slot.dirty = True
+        try:
+            self._run_drops(entries)
+        except CopyError:
+            pass  # the launch's own error is the one reported
+
     def _flush_segment(self) -> None:
         """Issue the open segment: header + descriptors, then one upload and one launch."""
         seg = self._seg
@@ -1294,13 +1298,7 @@ class DeviceCopier:
                 be.scatter(slot.staging.ptr + start, nblocks, self._stream, False)
                 how = "dma"
         except BaseException as exc:
-            seg.reset()
-            seg.set_cursor(pack.align(seg.cursor))
-            slot.dirty = True
-            try:
-                self._run_drops(entries)
-            except CopyError:
-                pass
+            self._drop_segment(entries)
             if isinstance(exc, CopyError) or not isinstance(exc, Exception):
                 raise  # a CopyError already names the site; KeyboardInterrupt stays one
             raise CopyError(
