@@ -635,7 +635,10 @@ class DeviceCopyBuffer(_Core):
                     and not np.array_equal(arr, raw)
                 ):
                     raise ValueError(f"{self._label}: values {host!r} do not fit dtype {dtype}")
-                return np.ascontiguousarray(arr), False
+                out = np.ascontiguousarray(arr)
+                # a buffer-protocol object (array.array, memoryview) is read in place:
+                # then it is the caller's memory, which the record must not alias
+                return out, not out.flags.owndata
             if info.device is not None:
                 raise ValueError(
                     f"{self._label}: update takes host values, got device array {info.label}"

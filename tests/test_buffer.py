@@ -1231,3 +1231,32 @@ def test_random_programs_answer_as_the_general_path(monkeypatch):
         assert fast[2] < slow[2] * 0.85, (seed, fast[2], slow[2])  # the fast path ran
         answers = [x for x in fast[0] if not isinstance(x, list)]
         assert {True, False, "TypeError", "ValueError"} <= set(answers)
+
+
+@pytest.mark.parametrize("kind", ["array.array", "memoryview", "bytearray view"])
+def test_host_values_numpy_reads_in_place_are_snapshotted_too(env, kind):
+    # np.asarray shares the memory of buffer-protocol objects: the record must still
+    # hold its own copy (snapshot=True), or refilling the caller's object in place
+    # would make the record agree with values the device never received
+    import array
+
+    c = env.copier(PLAN)
+    t = env.empty((4,))
+    buf = cc.DeviceCopyBuffer(t, site=Site.LENS)
+    a = array.array("i", [1, 2, 3, 4])
+    host = {
+        "array.array": a,
+        "memoryview": memoryview(a),
+        "bytearray view": memoryview(bytearray(np.array([1, 2, 3, 4], np.int32).tobytes())).cast(
+            "i"
+        ),
+    }[kind]
+    with c.activate():
+        with c.step():
+            assert buf.update(host) is True
+        host[0] = 9  # refilled in place
+        with c.step():
+            assert buf.update(host) is True  # changed: uploaded, not skipped
+        with c.step():
+            assert buf.update(host) is False
+    assert env.to_host(t).tolist() == [9, 2, 3, 4]
