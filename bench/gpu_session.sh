@@ -171,6 +171,8 @@ if "$PY" -c "import transformers" 2>/dev/null; then
         step "hf_$mode" 75 env PYTHONPATH=. "$PY" examples/hf_continuous_batching.py \
             --mode "$mode" --watchdog 65 --json "$work/bench/hf_continuous_batching-$mode.json"
     done
+    # where the routed upload's host time goes (cProfile in the engine's own thread)
+    step hf_upload_profile 60 env PYTHONPATH=. "$PY" bench/probes/hf_upload_profile.py --mode async --pairs 2
 else
     skip hf_async "transformers is not installed"
     skip hf_sync "transformers is not installed"
