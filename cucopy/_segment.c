@@ -910,9 +910,25 @@ static PyObject *seg_forget(Segment *s, PyObject *unused) {
 
 /* Stage bytes [data, data + nbytes) for destination geometry g into the open segment.
  * 1 staged, 0 not (nothing changed), -1 error. geom: the form tuple (borrowed). */
+static int append_raw_rows(Segment *s, PyObject *site, PyObject *on_drop, addr_t ptr,
+                           int64_t rows, int64_t width, int64_t pitch, addr_t lo, addr_t hi,
+                           int64_t nbytes, int kind, const void *data, PyObject *geom,
+                           int64_t spitch);
+
+/* append_raw_rows with the source's rows packed (the usual case) */
 static int append_raw(Segment *s, PyObject *site, PyObject *on_drop, addr_t ptr, int64_t rows,
                       int64_t width, int64_t pitch, addr_t lo, addr_t hi, int64_t nbytes,
                       int kind, const void *data, PyObject *geom) {
+    return append_raw_rows(s, site, on_drop, ptr, rows, width, pitch, lo, hi, nbytes, kind, data,
+                           geom, 0);
+}
+
+/* spitch: bytes between the source's rows when they are not packed (a NumPy array's
+ * column slice, table[:, :n]: rows gathered into the slot), else 0 */
+static int append_raw_rows(Segment *s, PyObject *site, PyObject *on_drop, addr_t ptr,
+                           int64_t rows, int64_t width, int64_t pitch, addr_t lo, addr_t hi,
+                           int64_t nbytes, int kind, const void *data, PyObject *geom,
+                           int64_t spitch) {
     if (s->seg < 0) return 0;
     if (s->reads.n && ranges_overlaps(&s->reads, lo, hi)) return 0;
     int64_t off = (s->cursor + 15) & -16;
@@ -929,7 +945,13 @@ static int append_raw(Segment *s, PyObject *site, PyObject *on_drop, addr_t ptr,
     if (PyList_Append(s->entries, (PyObject *)e) < 0) { Py_DECREF(e); s->descs.n--;
         goto undo_claimed; }
     Py_DECREF(e);
-    memcpy((char *)s->view.buf + off, data, (size_t)nbytes);
+    if (spitch && spitch != width && rows > 1) {
+        for (int64_t i = 0; i < rows; i++)
+            memcpy((char *)s->view.buf + off + i * width, (const char *)data + i * spitch,
+                   (size_t)width);
+    } else {
+        memcpy((char *)s->view.buf + off, data, (size_t)nbytes);
+    }
     if (hi - lo > BLOCK_BYTES) s->wide = 1;
     s->cursor = off + nbytes;
     return 1;
@@ -1181,6 +1203,14 @@ static PyObject *h2d_fast(Segment *s, PyObject *site, PyObject *dst, PyObject *s
             r = skip ? 1
                      : append_raw(s, site, on_drop, g.ptr, g.rows, g.width, g.pitch, g.lo, g.hi,
                                   g.nbytes, g.kind, a->data, g.geom);
+        else if (a->nd == 2 && g.kind == KIND_H2D_2D && a->dimensions[0] == g.rows &&
+                 a->strides[1] == g.itemsize && a->dimensions[1] * g.itemsize == g.width &&
+                 a->strides[0] >= g.width && n * g.itemsize == g.nbytes &&
+                 shape_fits(a->nd, a->dimensions, g.ndim, g.shape))
+            /* rows of packed elements, not packed together (table[:, :n]): gathered */
+            r = skip ? 1
+                     : append_raw_rows(s, site, on_drop, g.ptr, g.rows, g.width, g.pitch, g.lo,
+                                       g.hi, g.nbytes, g.kind, a->data, g.geom, a->strides[0]);
     } else if ((PyObject *)Py_TYPE(src) == ndarray_type) {
         PyObject *dt = PyObject_GetAttr(src, s_dtype);
         if (!dt) { PyErr_Clear(); goto miss; }

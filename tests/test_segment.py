@@ -461,3 +461,31 @@ def test_more_live_arrays_than_the_front_cache_holds_stay_on_the_fast_path(twin)
     assert calls == []
     assert all(dev.to_host(d).tolist() == [i + 1, 1] for i, d in enumerate(dsts))
     c.close()
+
+
+def test_a_numpy_column_slice_source_is_gathered_on_the_fast_path(twin):
+    # table[:, :n] (rows packed, not packed together): the compiled twin gathers the
+    # rows into the slot without the general path; every twin lands the same bytes
+    dev, c = _sim_copier()
+    dst_table = dev.zeros((4, 10), np.int32)
+    host = np.arange(40, dtype=np.int32).reshape(4, 10)
+    with c.step():
+        c.copy(Site.A, dst_table[:, :6], host[:, :6])  # remembers the destination
+    calls = _spy(c)
+    for k in range(3):
+        host += 100
+        with c.step():
+            c.copy(Site.A, dst_table[:, :6], host[:, :6])
+            host[:] = -1  # snapshot at the call
+        host[:] = np.arange(40, dtype=np.int32).reshape(4, 10) + 100 * (k + 1)
+        got = dev.to_host(dst_table)
+        assert got[:, :6].tolist() == host[:, :6].tolist()
+        assert got[:, 6:].tolist() == [[0] * 4] * 4
+    if twin is not segment.PySegment:
+        assert calls == []  # gathered on the fast path
+    # columns not packed (a stride between elements): the general path, same bytes
+    with c.step():
+        c.copy(Site.A, dst_table[:, :5], host[:, ::2])
+    assert dev.to_host(dst_table)[:, :5].tolist() == host[:, ::2].tolist()
+    assert calls and calls[-1] == Site.A
+    c.close()
