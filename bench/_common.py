@@ -219,20 +219,25 @@ def package_versions() -> dict:
 
 # What a source digest covers: the library and the bench, not the stored results.
 DIGEST_DIRS = ("cucopy", "bench")
-DIGEST_SUFFIXES = (".py", ".cu", ".sh")
+DIGEST_SUFFIXES = (".py", ".cu", ".sh", ".c")
+# the rule of the digests stored up to run 30, which left out the compiled twins' C
+# sources (two runs differing only in them had one digest); digest.py --find tries both
+DIGEST_SUFFIXES_V1 = (".py", ".cu", ".sh")
 
 
-def _digest_path(rel: str) -> bool:
+def _digest_path(rel: str, suffixes: tuple = DIGEST_SUFFIXES) -> bool:
     parts = rel.split("/")
     return (
         parts[0] in DIGEST_DIRS
-        and rel.endswith(DIGEST_SUFFIXES)
+        and rel.endswith(suffixes)
         and "__pycache__" not in parts
         and "results" not in parts[1:2]
     )
 
 
-def source_digest(root: Path = REPO, rev: str | None = None) -> str | None:
+def source_digest(
+    root: Path = REPO, rev: str | None = None, suffixes: tuple = DIGEST_SUFFIXES
+) -> str | None:
     """SHA-256 of the source a measurement ran (``cucopy/`` and ``bench/`` code).
 
     A checkout copied to another machine may carry a stale ``.git``; its files are
@@ -245,6 +250,9 @@ def source_digest(root: Path = REPO, rev: str | None = None) -> str | None:
         The checkout.
     rev : str, optional
         Digest the files of this git revision instead of the working tree.
+    suffixes : tuple of str
+        The file endings digested (``DIGEST_SUFFIXES_V1`` gives the digests stored up
+        to run 30).
 
     Returns
     -------
@@ -283,7 +291,7 @@ def source_digest(root: Path = REPO, rev: str | None = None) -> str | None:
             ).stdout
 
     for rel in files:
-        if rel and _digest_path(rel):
+        if rel and _digest_path(rel, suffixes):
             data = read(rel)
             h.update(f"{rel}\0{len(data)}\0".encode())
             h.update(data)

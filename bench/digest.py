@@ -9,7 +9,9 @@ A result's ``environment.cucopy.source_digest`` (bench suite) or
 ``source_digest`` (probes) digests ``cucopy/`` and ``bench/`` as they ran; the
 ``commit`` beside it comes from the copied checkout's ``.git``, which may be
 older than its files. ``--find`` walks the last commits and prints every one whose
-files match (a run of commits that left the source alone all match).
+files match (a run of commits that left the source alone all match). Digests stored up
+to run 30 followed a first rule that left out ``.c`` files; ``--find`` tries it too and
+says so.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._common import REPO, source_digest  # noqa: E402
+from bench._common import DIGEST_SUFFIXES_V1, REPO, source_digest  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -39,7 +41,12 @@ def main(argv=None) -> int:
             text=True,
             check=True,
         )
-        found = [rev for rev in log.stdout.split() if source_digest(rev=rev) == args.find]
+        found = []
+        for rev in log.stdout.split():
+            if source_digest(rev=rev) == args.find:
+                found.append(rev)
+            elif source_digest(rev=rev, suffixes=DIGEST_SUFFIXES_V1) == args.find:
+                found.append(f"{rev} (the first rule: C sources not digested)")
         for rev in found:  # newest first; commits that left the source alone match too
             print(rev)
         if not found:

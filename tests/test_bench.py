@@ -331,3 +331,18 @@ def test_host_ratio_reports_both_staging_paths(tmp_path):
         assert r["copy_x"] == pytest.approx(r["copy_us"] / r["empty_us"])
     assert "compiled" in proc.stdout and "python" in proc.stdout
     assert doc["environment"]["device"] == "sim"
+
+
+def test_the_source_digest_covers_the_compiled_twins(tmp_path):
+    # two trees differing only in a C source must not share a digest (the first rule,
+    # kept for the digests stored up to run 30, left .c files out)
+    from bench._common import DIGEST_SUFFIXES_V1, source_digest
+
+    (tmp_path / "cucopy").mkdir()
+    (tmp_path / "cucopy" / "a.py").write_text("x = 1\n")
+    (tmp_path / "cucopy" / "_core.c").write_text("int f(void) { return 1; }\n")
+    before = source_digest(root=tmp_path)
+    old_rule = source_digest(root=tmp_path, suffixes=DIGEST_SUFFIXES_V1)
+    (tmp_path / "cucopy" / "_core.c").write_text("int f(void) { return 2; }\n")
+    assert source_digest(root=tmp_path) != before
+    assert source_digest(root=tmp_path, suffixes=DIGEST_SUFFIXES_V1) == old_rule
