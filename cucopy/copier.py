@@ -234,6 +234,7 @@ class DeviceCopier:
         self._owner = None
         self._slot = None
         self._checker = None
+        self._cap_for = self._cap = -1  # slot size -> most descriptors reserved (_advance)
         self._feeds: list[GraphFeed] = []  # nodes captured by capture_inputs()
         self._feed = None  # the feed of the open step(graph=...)
         self._feed_pending = None  # a graph step ended: its segment waits for this feed's replay
@@ -416,8 +417,14 @@ class DeviceCopier:
         tables = self._tables
         tables.append(seg.peak)
         seg.peak = 0
-        cap = (slot.size * 3 // 4 - pack.HEADER_BYTES) // pack.DESC_BYTES
-        seg.reserve = max(16, min(tables.max(), cap))
+        size = slot.size
+        if size != self._cap_for:  # the reservation's cap follows the slot's size
+            self._cap_for = size
+            self._cap = (size * 3 // 4 - pack.HEADER_BYTES) // pack.DESC_BYTES
+        want = tables.max()
+        if want > self._cap:
+            want = self._cap
+        seg.reserve = want if want > 16 else 16  # max(16, min(largest table, cap))
 
     def flush(self) -> None:
         """Barrier: land everything staged (one upload + one launch per open segment).

@@ -100,12 +100,16 @@ class WindowMax:
     def append(self, value: int) -> None:
         """Add the newest value (the oldest leaves the window)."""
         q = self._q
-        while q and q[-1][1] <= value:
-            q.pop()
-        q.append((self._n, value))
-        self._n += 1
-        if q[0][0] <= self._n - 1 - self.window:
-            q.popleft()
+        n = self._n
+        self._n = n + 1
+        if q:
+            if q[-1][1] <= value:  # the usual step: the same value again
+                q.pop()
+                while q and q[-1][1] <= value:
+                    q.pop()
+            if q and q[0][0] <= n - self.window:
+                q.popleft()
+        q.append((n, value))
 
     def max(self, default: int = 0) -> int:
         """The largest value in the window, or ``default`` before the first."""
