@@ -53,13 +53,10 @@ def _staging() -> str:
 
 def _driver_calls() -> str:
     # the CUDA backend's per-step driver calls: from C, or through CuPy's wrappers
-    if os.environ.get("CUCOPY_PURE_PYTHON"):
-        return "python"
-    try:
-        importlib.import_module("cucopy.backends._cudacall")
-    except ImportError:
-        return "python"
-    return "compiled"
+    # (importing the backend module imports no CuPy)
+    from .backends.cuda import cudacall_module
+
+    return "python" if cudacall_module() is None else "compiled"
 
 
 def _cuda_version(v: int) -> str:

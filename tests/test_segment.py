@@ -240,14 +240,13 @@ def test_a_cached_torch_tensor_whose_geometry_changed_in_place_is_read_afresh(tw
 
 def test_torch_declares_native_getters_that_agree_with_its_attributes():
     # the compiled segment's cheap validation; its self-check ran at import
-    torch = pytest.importorskip("torch")
+    pytest.importorskip("torch")
     from cucopy.adapters import torch as torch_adapter
 
     native = getattr(torch_adapter.fingerprint, "__cucopy_native__", None)
     assert native is not None, "torch's aoti_torch_get_* getters were not usable"
     assert native[0] == "_cdata" and len(native) == 6 and all(native[1:])
     assert torch_adapter._native_getters() == native
-    assert torch.__version__  # the library they came from is the one imported
 
 
 def test_counts_survive_a_stats_reset(twin):

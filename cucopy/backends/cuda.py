@@ -61,7 +61,13 @@ from ..adapters import stream_handle
 from ..errors import CopyError
 from .base import Backend, DeviceBuffer, PinnedBuffer
 
-__all__ = ["CudaBackend", "gpu_available", "gpu_status", "DEFAULT_MAPPED_THRESHOLD"]
+__all__ = [
+    "CudaBackend",
+    "gpu_available",
+    "gpu_status",
+    "cudacall_module",
+    "DEFAULT_MAPPED_THRESHOLD",
+]
 
 # CUDA runtime constants (ABI-stable values from driver_types.h).
 _HOST_ALLOC_PORTABLE = 0x01
@@ -384,18 +390,30 @@ def _driver_entry(name: str):
     return None
 
 
-def _compiled_driver():
-    """The compiled per-step driver calls (``_cudacall.Driver``), or None.
+def cudacall_module():
+    """The compiled per-step driver calls' module (``_cudacall``), or None.
 
-    None when the extension was not built, when ``CUCOPY_PURE_PYTHON`` is set (the
-    CuPy/ctypes paths below are the reference), or when the driver library lacks
-    an entry point.
+    None when the extension was not built or ``CUCOPY_PURE_PYTHON`` is set (the
+    CuPy/ctypes paths are then the ones used; they stay the reference).
+    ``cucopy.show_config()`` reports the same answer.
     """
     if os.environ.get("CUCOPY_PURE_PYTHON"):
         return None
     try:
         from . import _cudacall
     except ImportError:
+        return None
+    return _cudacall
+
+
+def _compiled_driver():
+    """The compiled per-step driver calls (``_cudacall.Driver``), or None.
+
+    None when :func:`cudacall_module` is, or when the driver library lacks an entry
+    point.
+    """
+    _cudacall = cudacall_module()
+    if _cudacall is None:
         return None
     launch = _driver_entry("cuLaunchKernel")
     capturing = _driver_entry("cuStreamIsCapturing")
