@@ -150,6 +150,7 @@ step bench 200 "$PY" -m bench --out "$work/bench/results" ${BENCH_ARGS:-}
 # the host path's pieces (an open question: bench/README.md, probes)
 step hot_path 40 "$PY" bench/probes/hot_path.py --n 32
 step step_phases 60 "$PY" bench/probes/step_phases.py --n 32
+step step_phases_n 60 bash -c "for n in 8 128; do \"$PY\" bench/probes/step_phases.py --n \$n --steps 1000 | grep -E '^N='; done"
 # a copy's host cost as a multiple of an empty call (simulated device, both staging paths)
 step host_ratio 60 "$PY" bench/host_ratio.py --steps 1000 --json "$work/bench/host_ratio.json"
 # issue 15: the graph feed's mailbox node against per-step parameter updates and

@@ -17,7 +17,12 @@ Each launch carries one step of N merged copies (the decode mix, NumPy sources) 
   (``cuGraphExecKernelNodeSetParams``) with the whole segment's bytes (a 1 KB and a
   20 KB payload, the seed probe's kernel);
 - ``params_address``: the node's parameters replaced with only the address of a ring
-  slot in mapped memory the host filled (the kernel reads the bytes from there).
+  slot in mapped memory the host filled (the kernel reads the bytes from there);
+- ``node_empty``: an empty kernel node (no parameters) before the work, nothing updated:
+  what any extra kernel node costs the graph's period, the floor under every mechanism
+  that lands copies through a node of the graph;
+- ``node_1k_static``: the 1 KB payload node, its parameters never updated (the node's
+  GPU cost without the host's update).
 
 Per mechanism it prints the GPU period per launch (median of 5 runs), its excess over
 ``none``, and the host microseconds per step (median; the host's whole step: staging,
@@ -71,6 +76,7 @@ extern "C" __global__ void work(float* x, int n, int reps) {
     for (int i = threadIdx.x + blockIdx.x * blockDim.x; i < n; i += blockDim.x * gridDim.x)
       x[i] = x[i] * 0.999f + 1.0f;
 }
+extern "C" __global__ void empty() {}
 extern "C" __global__ void spin(long long cycles) {
   long long t = clock64(); while (clock64() - t < cycles) {}
 }
@@ -203,8 +209,19 @@ def _cucopy_rows(rig, args, out):
     def replay_empty():  # the node with nothing posted for its replay: its fixed cost
         feed.replay(g1)
 
+    empty = rig.mod.get_function("empty")
+
+    def body_empty():
+        empty((1,), (32,), (), stream=rig.stream)
+        rig.work_body()
+
+    g2 = rig.capture(body_empty)
+
+    def node_empty():  # any extra kernel node, no parameters, nothing updated
+        g2.launch(rig.stream)
+
     rows_of = (("none", none), ("inline", step_inline), ("feed", step_feed))
-    rows_of += (("feed_empty", replay_empty),)
+    rows_of += (("feed_empty", replay_empty), ("node_empty", node_empty))
     for name, fn in rows_of:
         host: list = []
         periods = [rig.period(fn, args.launches, host) for _ in range(5)]
@@ -247,6 +264,8 @@ def _param_rows(rig, args, out):
             return a
 
         rows[name] = _setparams_row(rig, args, k, payload, log)
+        if cap == 1024:
+            rows["node_1k_static"] = _setparams_row(rig, args, k, payload, update=False)
     # only the address: the kernel reads the step's bytes from mapped memory
     import cupyx
 
@@ -268,8 +287,9 @@ def _param_rows(rig, args, out):
     return rows
 
 
-def _setparams_row(rig, args, kernel, payload, log=None):
-    """Capture [kernel node, work], then time launches with a parameter update before each."""
+def _setparams_row(rig, args, kernel, payload, log=None, update=True):
+    """Capture [kernel node, work], then time launches with a parameter update before each
+    (``update=False``: the launches alone, the node keeping its captured parameters)."""
     from cuda.bindings import driver as cu
 
     s = rig.stream
@@ -320,9 +340,10 @@ def _setparams_row(rig, args, kernel, payload, log=None):
     turn = [0]
 
     def step():
-        kprm.kernelParams = launch_args(pl[turn[0] % 16])
-        turn[0] += 1
-        _ok(cu.cuGraphExecKernelNodeSetParams(ex, knode, kprm))
+        if update:
+            kprm.kernelParams = launch_args(pl[turn[0] % 16])
+            turn[0] += 1
+            _ok(cu.cuGraphExecKernelNodeSetParams(ex, knode, kprm))
         _ok(cu.cuGraphLaunch(ex, cu.CUstream(s.ptr)))
 
     host: list = []

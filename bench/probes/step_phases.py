@@ -94,6 +94,7 @@ def main(argv=None) -> None:
     if not args.sim:
         print("torch attribute reads (a lambda call each):")
         _attributes()
+        _flush_sizes(args)
     c, triples = profiled
     copy = c.copy
     pr = cProfile.Profile()
@@ -106,6 +107,35 @@ def main(argv=None) -> None:
     pr.disable()
     pstats.Stats(pr).sort_stats("tottime").print_stats(25)
     print(c.stats)
+    c.close()
+
+
+def _flush_sizes(args) -> None:
+    """Host us of ``flush()`` for one carried copy of each size (the launch's own cost)."""
+    import torch
+
+    site = cc.CopySite("F", [("one", cc.H2D)])
+    dst = torch.zeros(8192, dtype=torch.int32, device="cuda")
+    src = np.arange(8192, dtype=np.int32)
+    c = cc.DeviceCopier(cc.CopyPlan(merge={site.one}), stream=torch.cuda.Stream())
+    clock = time.perf_counter
+    for nbytes in (16, 1024, 6144, 20480, 30720):
+        k = nbytes // 4
+        d, x = dst[:k], src[:k]
+        tf = []
+        for i in range(args.steps // 2 + 100):
+            c.begin()
+            c.copy(site.one, d, x)
+            t0 = clock()
+            c.flush()
+            t1 = clock()
+            if i >= 100:
+                tf.append(t1 - t0)
+        print(
+            f"flush of one carried copy of {nbytes:5d} B: {statistics.median(tf) * 1e6:.2f} us "
+            f"(modes {dict(c.stats.modes)})"
+        )
+        c.stats.reset()
     c.close()
 
 
