@@ -174,6 +174,13 @@ if "$PY" -c "import transformers" 2>/dev/null; then
     done
     # where the routed upload's host time goes (cProfile in the engine's own thread)
     step hf_upload_profile 60 env PYTHONPATH=. "$PY" bench/probes/hf_upload_profile.py --mode async --pairs 2
+    # the segment through a DMA upload or read mapped, not carried in the launch's
+    # parameters: a launch carrying kilobytes measured ~30 us in the engine's thread
+    for fm in dma mapped; do
+        step "hf_async_$fm" 60 env PYTHONPATH=. "$PY" examples/hf_continuous_batching.py --mode async \
+            --flush-mode "$fm" --watchdog 50 --json "$work/bench/hf_continuous_batching-async-$fm.json"
+    done
+    step hf_upload_profile_dma 60 env PYTHONPATH=. "$PY" bench/probes/hf_upload_profile.py --mode async --pairs 2 --flush-mode dma
 else
     skip hf_async "transformers is not installed"
     skip hf_sync "transformers is not installed"

@@ -35,6 +35,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mode", default="async", choices=("async", "sync"))
     ap.add_argument("--pairs", type=int, default=2)
+    ap.add_argument("--flush-mode", default="auto", choices=("auto", "dma", "mapped", "inline"))
     args = ap.parse_args(argv)
     import hf_continuous_batching as ex
 
@@ -56,7 +57,7 @@ def main(argv=None) -> int:
             spent.append(time.perf_counter() - t0)
 
     ex.CucopyRoute.upload = profiled
-    rc = ex.main(["--mode", args.mode, "--pairs", str(args.pairs)])
+    rc = ex.main(["--mode", args.mode, "--pairs", str(args.pairs), "--flush-mode", args.flush_mode])
     if spent:
         spent.sort()
         print(
