@@ -111,29 +111,33 @@ def main(argv=None) -> None:
 
 
 def _flush_sizes(args) -> None:
-    """Host us of ``flush()`` for one carried copy of each size (the launch's own cost)."""
+    """Host us of ``flush()``: one carried copy of each size (the launch's own cost), then
+    n copies of 16 B (what a flush's count of copies costs)."""
     import torch
 
-    site = cc.CopySite("F", [("one", cc.H2D)])
+    site = cc.CopySite("F", [(f"s{i}", cc.H2D) for i in range(32)])
     dst = torch.zeros(8192, dtype=torch.int32, device="cuda")
     src = np.arange(8192, dtype=np.int32)
-    c = cc.DeviceCopier(cc.CopyPlan(merge={site.one}), stream=torch.cuda.Stream())
+    c = cc.DeviceCopier(cc.CopyPlan(merge=set(site)), stream=torch.cuda.Stream())
     clock = time.perf_counter
-    for nbytes in (16, 1024, 6144, 20480, 30720):
-        k = nbytes // 4
-        d, x = dst[:k], src[:k]
+    cases = [
+        (f"one carried copy of {b:5d} B", [(0, b // 4)]) for b in (16, 1024, 6144, 20480, 30720)
+    ]
+    cases += [(f"{n:2d} copies of 16 B", [(64 * i, 4) for i in range(n)]) for n in (2, 8, 32)]
+    for label, spans in cases:
+        pairs = [(s, dst[o : o + k], src[o : o + k]) for s, (o, k) in zip(site, spans)]
         tf = []
         for i in range(args.steps // 2 + 100):
             c.begin()
-            c.copy(site.one, d, x)
+            for s, d, x in pairs:
+                c.copy(s, d, x)
             t0 = clock()
             c.flush()
             t1 = clock()
             if i >= 100:
                 tf.append(t1 - t0)
         print(
-            f"flush of one carried copy of {nbytes:5d} B: {statistics.median(tf) * 1e6:.2f} us "
-            f"(modes {dict(c.stats.modes)})"
+            f"flush of {label}: {statistics.median(tf) * 1e6:.2f} us (modes {dict(c.stats.modes)})"
         )
         c.stats.reset()
     c.close()
