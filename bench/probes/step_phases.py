@@ -89,6 +89,7 @@ def main(argv=None) -> None:
     profiled = None
     for label, c, triples in _variants(args, sites, sizes, srcs):
         _phases(args, label, c, triples)
+        _positions(args, label, c, triples)
         if profiled is None:
             profiled = (c, triples)
     if not args.sim:
@@ -141,6 +142,27 @@ def _flush_sizes(args) -> None:
         )
         c.stats.reset()
     c.close()
+
+
+def _positions(args, label, c, triples) -> None:
+    """Median ns of each copy by its place in the step: is the first copy dearer (it opens
+    the segment; the launch before it may have left the caches cold)?"""
+    copy = c.copy
+    clock = time.perf_counter_ns
+    per = [[] for _ in triples]
+    for i in range(args.steps // 2 + 100):
+        c.begin()
+        for j, (s, d, x) in enumerate(triples):
+            t0 = clock()
+            copy(s, d, x)
+            t1 = clock()
+            if i >= 100:
+                per[j].append(t1 - t0)
+        c.flush()
+    med = [statistics.median(p) for p in per]
+    head = " ".join(f"{m:.0f}" for m in med[:6])
+    rest = statistics.median(med[6:]) if len(med) > 6 else float("nan")
+    print(f"  {label}: ns per copy by place (timer included): {head} ... rest median {rest:.0f}")
 
 
 def _phases(args, label, c, triples) -> None:
