@@ -909,6 +909,16 @@ class CudaBackend(Backend):
             If ``carry`` exceeds every capacity on offer (:meth:`carry_capacities`),
             or ``nblocks`` the grid's limit (2**31 - 1).
         """
+        fast = self._fast
+        if fast is not None and self._kern is not None and _getDevice() == self.device:
+            # one C call; on any failure (no context bound to this thread yet, a bad
+            # argument: a grid of no blocks or too many) the path below checks the
+            # arguments, runs the launch again and reports it
+            if carry:
+                if not fast.carried(nblocks, stream, segment_ptr, host_ptr, carry):
+                    return
+            elif not fast.scatter(nblocks, stream, segment_ptr):
+                return
         if nblocks <= 0:
             return
         if nblocks > _MAX_GRID:
@@ -918,15 +928,6 @@ class CudaBackend(Backend):
                 self.scatter, segment_ptr, nblocks, stream, mapped, carry, host_ptr
             )
         k = self._kern or self._get_kernels()
-        fast = self._fast
-        if fast is not None:
-            # one C call; on any failure (no context bound to this thread yet, a bad
-            # argument) the path below runs the launch again and reports it
-            if carry:
-                if not fast.carried(nblocks, stream, segment_ptr, host_ptr, carry):
-                    return
-            elif not fast.scatter(nblocks, stream, segment_ptr):
-                return
         if carry:
             cap = pack.carry_capacity(carry, k.caps)
             if not cap:
