@@ -141,6 +141,21 @@ def test_a_plain_scatter_passes_the_segment_address_as_its_one_argument():
 
 
 @needs_ext
+def test_launches_keep_the_gil():
+    # PyGILState_Check stands in for cuLaunchKernel: it answers 1 when the calling
+    # thread holds the GIL. (Called with the launch's arguments, which it ignores: the
+    # caller pops them on every ABI CPython supports.) A launch that let the GIL go would
+    # hand the interpreter to any other Python thread and wait to get it back.
+    check = ctypes.cast(ctypes.pythonapi.PyGILState_Check, ctypes.c_void_p).value
+    fake = FakeDriver()
+    d = _cudacall.Driver(check, fake.addrs[1])
+    d.kernels(0x5CA7, CAPS, pack.THREADS)
+    host = np.zeros(64, np.uint8)
+    assert d.carried(1, 0, 0x1000, host.ctypes.data, 64) == 1
+    assert d.scatter(1, 0, 0x1000) == 1
+
+
+@needs_ext
 def test_no_launch_before_the_kernels_are_known_and_bad_kernel_tables_are_refused():
     fake = FakeDriver()
     d = _cudacall.Driver(*fake.addrs)
