@@ -22,7 +22,11 @@ Each launch carries one step of N merged copies (the decode mix, NumPy sources) 
   what any extra kernel node costs the graph's period, the floor under every mechanism
   that lands copies through a node of the graph;
 - ``node_1k_static``: the 1 KB payload node, its parameters never updated (the node's
-  GPU cost without the host's update).
+  GPU cost without the host's update);
+- ``params_payload_1k_branch``: the 1 KB payload node updated per step, on a branch of
+  the graph forked before the work and joined after it (the overlap mechanism at its
+  best: nothing in the work reads what the node writes; an engine joins before the
+  first kernel that reads its inputs, which hides at most the work before it).
 
 Per mechanism it prints the GPU period per launch (median of 5 runs), its excess over
 ``none``, and the host microseconds per step (median; the host's whole step: staging,
@@ -266,6 +270,7 @@ def _param_rows(rig, args, out):
         rows[name] = _setparams_row(rig, args, k, payload, log)
         if cap == 1024:
             rows["node_1k_static"] = _setparams_row(rig, args, k, payload, update=False)
+            rows["params_payload_1k_branch"] = _setparams_row(rig, args, k, payload, branch=True)
     # only the address: the kernel reads the step's bytes from mapped memory
     import cupyx
 
@@ -287,9 +292,10 @@ def _param_rows(rig, args, out):
     return rows
 
 
-def _setparams_row(rig, args, kernel, payload, log=None, update=True):
+def _setparams_row(rig, args, kernel, payload, log=None, update=True, branch=False):
     """Capture [kernel node, work], then time launches with a parameter update before each
-    (``update=False``: the launches alone, the node keeping its captured parameters)."""
+    (``update=False``: the launches alone, the node keeping its captured parameters;
+    ``branch``: the node on a branch forked before the work and joined after it)."""
     from cuda.bindings import driver as cu
 
     s = rig.stream
@@ -310,6 +316,15 @@ def _setparams_row(rig, args, kernel, payload, log=None, update=True):
         )
     )
     try:
+        on = s
+        if branch:
+            on = rig.cp.cuda.Stream(non_blocking=True)
+            fork, join = (
+                rig.cp.cuda.Event(disable_timing=True),
+                rig.cp.cuda.Event(disable_timing=True),
+            )
+            fork.record(s)
+            on.wait_event(fork)
         _ok(
             cu.cuLaunchKernel(
                 cu.CUfunction(kernel.kernel.ptr),
@@ -320,12 +335,16 @@ def _setparams_row(rig, args, kernel, payload, log=None, update=True):
                 1,
                 1,
                 0,
-                cu.CUstream(s.ptr),
+                cu.CUstream(on.ptr),
                 launch_args(first),
                 0,
             )
         )
+        if branch:
+            join.record(on)
         rig.work_body()
+        if branch:
+            s.wait_event(join)
     finally:
         graph = _ok(cu.cuStreamEndCapture(cu.CUstream(s.ptr)))
     ex = _ok(cu.cuGraphInstantiate(graph, 0))
