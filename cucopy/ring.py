@@ -19,8 +19,9 @@ import collections
 import threading
 
 from . import pack
+from .segment import WindowMax as _CompiledWindowMax
 
-__all__ = ["StagingRing", "Slot"]
+__all__ = ["StagingRing", "Slot", "WindowMax", "PyWindowMax"]
 
 # Demand is remembered over this many steps before a slot shrinks back.
 DEMAND_WINDOW = 64
@@ -83,11 +84,19 @@ def free_orphans(wait: bool = False) -> int:
         return len(_orphans)
 
 
-class WindowMax:
+class PyWindowMax:
     """The largest of the last ``window`` values appended, in O(1) a step.
 
     A step's ``max()`` over the whole window cost about a microsecond on the GPU's
     host; this keeps the candidates (decreasing) with the step each came from.
+    The pure-Python reference; :data:`WindowMax` is its compiled twin
+    (``cucopy._segment.WindowMax``, 64-bit integer values) when the staging core is
+    built and ``CUCOPY_PURE_PYTHON`` is not set.
+
+    Parameters
+    ----------
+    window : int
+        Values the maximum is over (the newest ``window`` appended).
     """
 
     __slots__ = ("window", "_q", "_n")
@@ -98,7 +107,12 @@ class WindowMax:
         self._n = 0
 
     def append(self, value: int) -> None:
-        """Add the newest value (the oldest leaves the window)."""
+        """Add the newest value (the oldest leaves the window).
+
+        Parameters
+        ----------
+        value : int
+        """
         q = self._q
         n = self._n
         self._n = n + 1
@@ -111,9 +125,37 @@ class WindowMax:
                 q.popleft()
         q.append((n, value))
 
+    def append_max(self, value: int) -> int:
+        """:meth:`append` ``value``, then return :meth:`max` (one call a step).
+
+        Parameters
+        ----------
+        value : int
+
+        Returns
+        -------
+        int
+            The largest value in the window, ``value`` included.
+        """
+        self.append(value)
+        return self._q[0][1]
+
     def max(self, default: int = 0) -> int:
-        """The largest value in the window, or ``default`` before the first."""
+        """The largest value in the window, or ``default`` before the first.
+
+        Parameters
+        ----------
+        default : int
+
+        Returns
+        -------
+        int
+        """
         return self._q[0][1] if self._q else default
+
+
+#: :class:`PyWindowMax`, or its compiled twin when the staging core is built
+WindowMax = PyWindowMax if _CompiledWindowMax is None else _CompiledWindowMax
 
 
 def _pow2(n: int) -> int:
