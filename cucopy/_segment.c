@@ -725,18 +725,27 @@ static int contains(PyObject *set, PyObject *key) {
     return PyAnySet_Check(set) ? PySet_Contains(set, key) : PySequence_Contains(set, key);
 }
 
+static PyObject *s_array, *s_top, *s_bottom;
+
 static PyObject *seg_bind(Segment *s, PyObject *slot) {
-    seg_release(s);
-    PyObject *arr = PyObject_GetAttrString(slot, "array");
-    if (!arr) return NULL;
-    int r = PyObject_GetBuffer(arr, &s->view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS);
+    PyObject *arr = PyObject_GetAttr(slot, s_array);
+    if (!arr) { seg_release(s); return NULL; }
+    /* Each step binds the ring's next slot, mostly one bound before: its bytes
+     * are exported once per slot object and array (view.obj is the exporter),
+     * not once a step (~0.1 us). A slot the ring replaced is another object, and
+     * a closed slot's array is None: both are exported afresh (or fail). */
+    if (!s->bound || slot != s->slot || arr != s->view.obj) {
+        seg_release(s);
+        int r = PyObject_GetBuffer(arr, &s->view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS);
+        if (r < 0) { Py_DECREF(arr); return NULL; }
+        s->bound = 1;
+        s->slot = Py_NewRef(slot);
+        s->size = s->view.len;
+    }
     Py_DECREF(arr);
-    if (r < 0) return NULL;
-    s->bound = 1;
-    s->slot = Py_NewRef(slot);
-    s->size = s->view.len;
-    PyObject *top = PyObject_GetAttrString(slot, "top");
-    PyObject *bottom = top ? PyObject_GetAttrString(slot, "bottom") : NULL;
+    /* read every time: the ring resets them when it hands the slot out again */
+    PyObject *top = PyObject_GetAttr(slot, s_top);
+    PyObject *bottom = top ? PyObject_GetAttr(slot, s_bottom) : NULL;
     if (!bottom) { Py_XDECREF(top); seg_release(s); return NULL; }
     s->top = PyLong_AsLongLong(top);
     s->bottom = PyLong_AsLongLong(bottom);
@@ -782,7 +791,7 @@ static PyObject *seg_take_top(Segment *s, PyObject *arg) {
     int64_t tail = PyList_GET_SIZE(s->entries) ? reserve_tail(s) : 0;
     if (top >= max64(s->cursor, s->bottom) + tail) {
         PyObject *v = PyLong_FromLongLong(top);
-        if (!v || PyObject_SetAttrString(s->slot, "top", v) < 0) { Py_XDECREF(v); return NULL; }
+        if (!v || PyObject_SetAttr(s->slot, s_top, v) < 0) { Py_XDECREF(v); return NULL; }
         s->top = top;
         return v;
     }
@@ -1773,7 +1782,7 @@ static PyObject *seg_finish(Segment *s, PyObject *unused) {
     s->bottom = s->cursor;
     if (s->slot) {
         PyObject *v = PyLong_FromLongLong(s->bottom);
-        if (!v || PyObject_SetAttrString(s->slot, "bottom", v) < 0) { Py_XDECREF(v); return NULL; }
+        if (!v || PyObject_SetAttr(s->slot, s_bottom, v) < 0) { Py_XDECREF(v); return NULL; }
         Py_DECREF(v);
     }
     PyObject *entries = s->entries;
@@ -2547,6 +2556,133 @@ static PyTypeObject FastUpdateType = {
     .tp_new = fastupdate_new,
 };
 
+/* -- WindowMax: the largest of the last `window` values (twin of ring.PyWindowMax) --
+ *
+ * The ring sizes its slots, and the copier its table reservation, by the largest
+ * value of the last DEMAND_WINDOW steps; each appends one value a step and reads
+ * the maximum at once. The Python twin's deque of tuples cost ~0.1 us an append;
+ * here the candidates (decreasing values, each with the step it came from) sit in
+ * a circular buffer of `window` entries (never more: at most one leaves the window
+ * per append, before the new one comes in). Values are 64-bit integers (byte and
+ * descriptor counts). */
+
+typedef struct {
+    PyObject_HEAD
+    Py_ssize_t window;
+    Py_ssize_t cap;     /* entries the buffer holds: max(window, 1) */
+    Py_ssize_t head, len;
+    int64_t n;          /* values appended so far */
+    int64_t *idx, *val; /* the candidates, oldest (largest) at head */
+} WindowMax;
+
+static PyObject *wm_new(PyTypeObject *tp, PyObject *args, PyObject *kw) {
+    Py_ssize_t window;
+    static char *kwlist[] = {"window", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "n:WindowMax", kwlist, &window)) return NULL;
+    WindowMax *w = (WindowMax *)tp->tp_alloc(tp, 0);
+    if (!w) return NULL;
+    w->window = window;
+    w->cap = window > 1 ? window : 1; /* a window of 1 or less keeps only the newest */
+    w->idx = PyMem_Calloc((size_t)w->cap, sizeof(int64_t));
+    w->val = PyMem_Calloc((size_t)w->cap, sizeof(int64_t));
+    if (!w->idx || !w->val) {
+        Py_DECREF(w);
+        return PyErr_NoMemory();
+    }
+    return (PyObject *)w;
+}
+
+static void wm_dealloc(WindowMax *w) {
+    PyMem_Free(w->idx);
+    PyMem_Free(w->val);
+    Py_TYPE(w)->tp_free((PyObject *)w);
+}
+
+/* the Python twin's append, step for step */
+static int wm_push(WindowMax *w, int64_t v) {
+    int64_t n = w->n++;
+    Py_ssize_t cap = w->cap;
+    if (w->len) {
+        Py_ssize_t last = (w->head + w->len - 1) % cap;
+        while (w->len && w->val[last] <= v) { /* the usual step: the same value again */
+            w->len--;
+            last = last ? last - 1 : cap - 1;
+        }
+        if (w->len && w->idx[w->head] <= n - w->window) {
+            w->head = (w->head + 1) % cap;
+            w->len--;
+        }
+    }
+    Py_ssize_t at = (w->head + w->len) % cap;
+    w->idx[at] = n;
+    w->val[at] = v;
+    w->len++;
+    return 0;
+}
+
+static int wm_value(PyObject *arg, int64_t *v) {
+    long long x = PyLong_AsLongLong(arg);
+    if (x == -1 && PyErr_Occurred()) return -1;
+    *v = x;
+    return 0;
+}
+
+static PyObject *wm_append(WindowMax *w, PyObject *arg) {
+    int64_t v;
+    if (wm_value(arg, &v) < 0) return NULL;
+    wm_push(w, v);
+    Py_RETURN_NONE;
+}
+
+static PyObject *wm_append_max(WindowMax *w, PyObject *arg) {
+    int64_t v;
+    if (wm_value(arg, &v) < 0) return NULL;
+    wm_push(w, v);
+    return PyLong_FromLongLong(w->val[w->head]);
+}
+
+static PyObject *wm_max(WindowMax *w, PyObject *const *args, Py_ssize_t nargs,
+                        PyObject *kwnames) {
+    PyObject *dflt = NULL;
+    Py_ssize_t nk = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
+    if (nargs + nk > 1 || (nk && !PyUnicode_Check(PyTuple_GET_ITEM(kwnames, 0))) ||
+        (nk && PyUnicode_CompareWithASCIIString(PyTuple_GET_ITEM(kwnames, 0), "default"))) {
+        PyErr_SetString(PyExc_TypeError, "max(default=0)");
+        return NULL;
+    }
+    if (nargs + nk) dflt = args[0];
+    if (w->len) return PyLong_FromLongLong(w->val[w->head]);
+    return dflt ? Py_NewRef(dflt) : PyLong_FromLong(0);
+}
+
+static PyMemberDef wm_members[] = {
+    {"window", T_PYSSIZET, offsetof(WindowMax, window), READONLY, "Values the maximum is over."},
+    {NULL},
+};
+
+static PyMethodDef wm_methods[] = {
+    {"append", (PyCFunction)wm_append, METH_O,
+     "Add the newest value (the oldest leaves the window)."},
+    {"append_max", (PyCFunction)wm_append_max, METH_O,
+     "Add the newest value; return the largest in the window (one call a step)."},
+    {"max", (PyCFunction)(void (*)(void))wm_max, METH_FASTCALL | METH_KEYWORDS,
+     "The largest value in the window, or default before the first."},
+    {NULL},
+};
+
+static PyTypeObject WindowMaxType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "cucopy._segment.WindowMax",
+    .tp_basicsize = sizeof(WindowMax),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "The largest of the last `window` values appended, in O(1) a step "
+              "(compiled twin of cucopy.ring.PyWindowMax).",
+    .tp_dealloc = (destructor)wm_dealloc,
+    .tp_members = wm_members,
+    .tp_methods = wm_methods,
+    .tp_new = wm_new,
+};
+
 /* the section's types and names, added to the module by PyInit__segment */
 static int buffer_section_init(PyObject *m) {
     if (PyType_Ready(&BufferCoreType) < 0 || PyType_Ready(&SkipCountsType) < 0 ||
@@ -2581,7 +2717,7 @@ static struct PyModuleDef moduledef = {
 PyMODINIT_FUNC PyInit__segment(void) {
     if (PyType_Ready(&EntryType) < 0 || PyType_Ready(&CachedType) < 0 ||
         PyType_Ready(&SegmentType) < 0 || PyType_Ready(&FastCopyType) < 0 ||
-        PyType_Ready(&FastRouteType) < 0)
+        PyType_Ready(&FastRouteType) < 0 || PyType_Ready(&WindowMaxType) < 0)
         return NULL;
     s_copy = PyUnicode_InternFromString("copy");
     if (!s_copy) return NULL;
@@ -2590,6 +2726,10 @@ PyMODINIT_FUNC PyInit__segment(void) {
     s_unchanged = PyUnicode_InternFromString("unchanged");
     s_on_drop = PyUnicode_InternFromString("on_drop");
     if (!s_seg || !s_after_barrier || !s_unchanged || !s_on_drop) return NULL;
+    s_array = PyUnicode_InternFromString("array");
+    s_top = PyUnicode_InternFromString("top");
+    s_bottom = PyUnicode_InternFromString("bottom");
+    if (!s_array || !s_top || !s_bottom) return NULL;
     PyObject *np = PyImport_ImportModule("numpy");
     if (!np) return NULL;
     ndarray_type = PyObject_GetAttrString(np, "ndarray");
@@ -2606,7 +2746,8 @@ PyMODINIT_FUNC PyInit__segment(void) {
     if (PyModule_AddObjectRef(m, "Segment", (PyObject *)&SegmentType) < 0 ||
         PyModule_AddObjectRef(m, "Entry", (PyObject *)&EntryType) < 0 ||
         PyModule_AddObjectRef(m, "FastCopy", (PyObject *)&FastCopyType) < 0 ||
-        PyModule_AddObjectRef(m, "FastRoute", (PyObject *)&FastRouteType) < 0) {
+        PyModule_AddObjectRef(m, "FastRoute", (PyObject *)&FastRouteType) < 0 ||
+        PyModule_AddObjectRef(m, "WindowMax", (PyObject *)&WindowMaxType) < 0) {
         Py_DECREF(m);
         return NULL;
     }

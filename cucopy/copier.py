@@ -375,7 +375,8 @@ class DeviceCopier:
         CopyError
             From that flush (nothing staged is lost), or a false claim in check mode.
         """
-        if self._closed or (self._in_step and self._owner != _get_ident()):
+        me = _get_ident()
+        if self._closed or (self._in_step and self._owner != me):
             self._live()  # raises
         seg = self._seg
         checker = self._checker
@@ -394,7 +395,7 @@ class DeviceCopier:
                 self._slot = None  # the ring may have replaced it; the next begin() starts afresh
                 seg.unbind()
                 raise
-        self._owner = _get_ident()
+        self._owner = me
         self._in_step = True
         seg.fast = not capturing and checker is None
         self.stats.steps += 1
@@ -414,14 +415,12 @@ class DeviceCopier:
         # the ring sizes slots by), never three quarters of the slot: kept at its
         # all-time peak, one large step left every later segment's data past the
         # top of a slot that had shrunk back, and every copy ran eagerly.
-        tables = self._tables
-        tables.append(seg.peak)
+        want = self._tables.append_max(seg.peak)
         seg.peak = 0
         size = slot.size
         if size != self._cap_for:  # the reservation's cap follows the slot's size
             self._cap_for = size
             self._cap = (size * 3 // 4 - pack.HEADER_BYTES) // pack.DESC_BYTES
-        want = tables.max()
         if want > self._cap:
             want = self._cap
         seg.reserve = want if want > 16 else 16  # max(16, min(largest table, cap))

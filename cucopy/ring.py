@@ -19,8 +19,9 @@ import collections
 import threading
 
 from . import pack
+from .segment import WindowMax as _CompiledWindowMax
 
-__all__ = ["StagingRing", "Slot"]
+__all__ = ["StagingRing", "Slot", "WindowMax", "PyWindowMax"]
 
 # Demand is remembered over this many steps before a slot shrinks back.
 DEMAND_WINDOW = 64
@@ -83,11 +84,19 @@ def free_orphans(wait: bool = False) -> int:
         return len(_orphans)
 
 
-class WindowMax:
+class PyWindowMax:
     """The largest of the last ``window`` values appended, in O(1) a step.
 
     A step's ``max()`` over the whole window cost about a microsecond on the GPU's
     host; this keeps the candidates (decreasing) with the step each came from.
+    The pure-Python reference; :data:`WindowMax` is its compiled twin
+    (``cucopy._segment.WindowMax``, 64-bit integer values) when the staging core is
+    built and ``CUCOPY_PURE_PYTHON`` is not set.
+
+    Parameters
+    ----------
+    window : int
+        Values the maximum is over (the newest ``window`` appended).
     """
 
     __slots__ = ("window", "_q", "_n")
@@ -98,7 +107,12 @@ class WindowMax:
         self._n = 0
 
     def append(self, value: int) -> None:
-        """Add the newest value (the oldest leaves the window)."""
+        """Add the newest value (the oldest leaves the window).
+
+        Parameters
+        ----------
+        value : int
+        """
         q = self._q
         n = self._n
         self._n = n + 1
@@ -111,9 +125,37 @@ class WindowMax:
                 q.popleft()
         q.append((n, value))
 
+    def append_max(self, value: int) -> int:
+        """:meth:`append` ``value``, then return :meth:`max` (one call a step).
+
+        Parameters
+        ----------
+        value : int
+
+        Returns
+        -------
+        int
+            The largest value in the window, ``value`` included.
+        """
+        self.append(value)
+        return self._q[0][1]
+
     def max(self, default: int = 0) -> int:
-        """The largest value in the window, or ``default`` before the first."""
+        """The largest value in the window, or ``default`` before the first.
+
+        Parameters
+        ----------
+        default : int
+
+        Returns
+        -------
+        int
+        """
         return self._q[0][1] if self._q else default
+
+
+#: :class:`PyWindowMax`, or its compiled twin when the staging core is built
+WindowMax = PyWindowMax if _CompiledWindowMax is None else _CompiledWindowMax
 
 
 def _pow2(n: int) -> int:
@@ -246,8 +288,8 @@ class StagingRing:
         """Record ``nbytes`` a step wanted but its slot could not hold (grows the next one)."""
         self._want += nbytes
 
-    def _target(self) -> int:
-        peak = self._demand.max()
+    def _target(self, peak: int) -> int:
+        """The slot size for a window whose largest demand is ``peak``."""
         if peak != self._peak:  # the window's largest demand rarely changes
             self._peak = peak
             self._target_size = max(self.capacity, _pow2(pack.align(peak, 4096)))
@@ -262,30 +304,49 @@ class StagingRing:
         waited : bool
             True when the host had to wait for the slot's event.
         """
+        # Once a step on the GPU's host, where every ~0.1 us counts: the common case
+        # (the slot exists, idle or complete, no temporaries, the right size) reads
+        # each attribute once and calls nothing it need not.
         prev = self.current
         if prev is not None:
-            self._demand.append(self._want + prev.bottom + prev.size - prev.top)
+            peak = self._demand.append_max(self._want + prev.bottom + prev.size - prev.top)
+        else:
+            peak = self._demand.max()
         self._want = 0
         self.acquires += 1
-        self._index = (self._index + 1) % len(self._slots)
-        event = self._events[self._index]
-        slot = self._slots[self._index]
+        slots = self._slots
+        index = self._index + 1
+        if index >= len(slots):
+            index = 0
+        self._index = index
+        slot = slots[index]
         waited = False
-        if slot is not None and slot.recorded and not self.backend.event_query(event):
-            self.backend.event_synchronize(event)
-            waited = True
-        target = self._target()
-        if slot is not None and (slot.temps or slot.frees):
-            # idle now (its event completed above): its step's temporaries are spare
-            self._keep_temps(slot)
-        if slot is None or slot.size < target or slot.size > 2 * target:
+        target = self._target_size if peak == self._peak else self._target(peak)
+        if slot is not None:
+            if slot.recorded:
+                event = self._events[index]
+                if not self.backend.event_query(event):
+                    self.backend.event_synchronize(event)
+                    waited = True
+            if slot.temps or slot.frees:
+                # idle now (its event completed above): its step's temporaries are spare
+                self._keep_temps(slot)
+            size = slot.size
+            if target <= size <= 2 * target:
+                slot.bottom = 0
+                slot.top = size
+                slot.recorded = slot.dirty = False
+                self.current = slot
+                return slot, waited
+            # kept, not freed: a free would wait for the device
             self.current = None
-            if slot is not None:  # kept, not freed: a free would wait for the device
-                self._slots[self._index] = None
-                self._spare_slots.append(slot)
-            slot = self._take_slot(target)
-            slot.event = event
-            self._slots[self._index] = slot
+            slots[index] = None
+            self._spare_slots.append(slot)
+        self.current = None
+        event = self._events[index]  # (none after close(): raises before allocating)
+        slot = self._take_slot(target)
+        slot.event = event
+        slots[index] = slot
         slot.bottom = 0
         slot.top = slot.size
         slot.recorded = False

@@ -750,6 +750,8 @@ Segment = PySegment
 FastCopy = None
 #: ``cucopy.copy``'s compiled routing to the active copier (None with the pure-Python segment)
 FastRoute = None
+#: ``cucopy.ring.WindowMax``'s compiled twin (None with the pure-Python segment)
+WindowMax = None
 if not os.environ.get("CUCOPY_PURE_PYTHON"):
     try:
         from . import _segment as _compiled
@@ -766,4 +768,5 @@ if not os.environ.get("CUCOPY_PURE_PYTHON"):
         Segment = _compiled.Segment
         FastCopy = _compiled.FastCopy
         FastRoute = _compiled.FastRoute
+        WindowMax = _compiled.WindowMax
         IMPLEMENTATION = "compiled"

@@ -504,3 +504,37 @@ def test_window_max_matches_max_over_the_window():
             wm.append(v)
             ref.append(v)
             assert wm.max() == max(ref)
+
+
+@pytest.mark.parametrize("window", [1, 2, 3, 7, 64])
+def test_window_max_twins_agree_on_random_sequences(window):
+    """The compiled WindowMax (when built) answers as the Python one, call for call."""
+    import collections
+    import random
+
+    from cucopy import ring
+
+    impls = [ring.PyWindowMax]
+    if ring.WindowMax is not ring.PyWindowMax:
+        impls.append(ring.WindowMax)
+    rng = random.Random(window)
+    for trial in range(20):
+        wms = [impl(window) for impl in impls]
+        ref: collections.deque = collections.deque(maxlen=window)
+        assert all(wm.window == window for wm in wms)
+        assert all(
+            wm.max() == 0 and wm.max(-5) == -5 and wm.max(default=None) is None for wm in wms
+        )
+        # runs of one value (the usual step), steps up and down, negatives, large values
+        hi = rng.choice([3, 50, 1 << 40])
+        for _ in range(300):
+            v = rng.randrange(-hi, hi) if rng.random() < 0.5 else rng.choice([0, hi, 7])
+            ref.append(v)
+            if rng.random() < 0.5:
+                got = [wm.append_max(v) for wm in wms]
+            else:
+                for wm in wms:
+                    wm.append(v)
+                got = [wm.max() for wm in wms]
+            assert got == [max(ref)] * len(wms), (trial, v, got)
+            assert [wm.max(default=-1) for wm in wms] == [max(ref)] * len(wms)

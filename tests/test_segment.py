@@ -488,3 +488,50 @@ def test_a_numpy_column_slice_source_is_gathered_on_the_fast_path(twin):
     assert dev.to_host(dst_table)[:, :5].tolist() == host[:, ::2].tolist()
     assert calls and calls[-1] == Site.A
     c.close()
+
+
+class _FakeSlot:
+    """What ``bind`` reads of a ring slot: its bytes (``array``, ``mv``), ``top``, ``bottom``."""
+
+    def __init__(self, nbytes):
+        self.array = np.zeros(nbytes, np.uint8)
+        self.mv = memoryview(self.array)
+        self.top = nbytes
+        self.bottom = 0
+
+
+def _stage_one_into(seg, slot):
+    """Bind ``slot`` as the ring hands it out (reset), stage one H2D copy, cut, finish."""
+    slot.top, slot.bottom = slot.array.nbytes, 0
+    seg.bind(slot)
+    desc = (0x1000, 0, 0, 16, 16, 16, 1, pack.KIND_H2D, 0, 0)
+    r = seg.stage(Site.A, None, 0x1000, 0x1010, None, 16, desc, True)
+    assert isinstance(r, tuple)
+    start, end, _, _ = seg.cut(-1)
+    seg.finish()
+    return start, end
+
+
+@pytest.mark.parametrize("cls", TWINS)
+def test_bind_writes_into_the_slot_bound_now(cls):
+    """The compiled bind keeps a slot's exported bytes from one step to the next; a
+    slot replaced by another (the ring grows or shrinks one) or whose array changed
+    must be written afresh, never through the view of the one bound before."""
+    seg = cls(frozenset({Site.A}), frozenset())
+    a, b = _FakeSlot(4096), _FakeSlot(8192)
+    for slot in (a, a, b, a, b, b, a):
+        for s in (a, b):
+            s.array[:] = 0
+        start, end = _stage_one_into(seg, slot)
+        other = b if slot is a else a
+        assert slot.array[start:end].any() and not other.array.any()
+        assert seg.slot is slot and slot.bottom == end
+        header, _ = pack.decode(bytes(slot.array[start:end]))
+        assert int(header["ndesc"]) == 1
+    # the same slot object, a new array (as a Slot never does, but bind must not care)
+    old = a.array
+    a.array = np.zeros(4096, np.uint8)
+    a.mv = memoryview(a.array)
+    old[:] = 0
+    start, end = _stage_one_into(seg, a)
+    assert a.array[start:end].any() and not old.any()
