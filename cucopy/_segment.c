@@ -1659,12 +1659,15 @@ static int64_t encode(char *out, const Desc *descs, Py_ssize_t n, int64_t data_o
     return block;
 }
 
-static PyObject *seg_cut(Segment *s, PyObject *arg) {
-    long long inline_max = PyLong_AsLongLong(arg);
-    if (inline_max == -1 && PyErr_Occurred()) return NULL;
+/* cut the open segment for launch: split descriptors that span blocks, close the gap
+ * between the table and the data when the segment may be carried (its size at most
+ * inline_max), encode header and table. Out: the segment's offset and end in the
+ * slot, its blocks and descriptors. */
+static int cut_impl(Segment *s, long long inline_max, int64_t *seg_out, int64_t *end_out,
+                    int64_t *nblocks_out, Py_ssize_t *n_out) {
     if (!s->bound) {
         PyErr_SetString(PyExc_AssertionError, "internal: cut() with no slot");
-        return NULL;
+        return -1;
     }
     char *base = s->view.buf;
     int64_t seg = s->seg, data0 = s->data0, end = align_up(s->cursor, ALIGN), shift = 0;
@@ -1708,11 +1711,65 @@ static PyObject *seg_cut(Segment *s, PyObject *arg) {
     if (n > s->reserve) s->reserve = n;
     if (n > s->peak) s->peak = n;
     s->cursor = end;
-    return Py_BuildValue("(LLLn)", (long long)seg, (long long)end, (long long)nblocks, n);
+    *seg_out = seg;
+    *end_out = end;
+    *nblocks_out = nblocks;
+    *n_out = n;
+    return 0;
 fail:
     PyMem_Free(pieces.v);
     s->cursor = end;
-    return NULL;
+    return -1;
+}
+
+static PyObject *seg_cut(Segment *s, PyObject *arg) {
+    long long inline_max = PyLong_AsLongLong(arg);
+    if (inline_max == -1 && PyErr_Occurred()) return NULL;
+    int64_t seg, end, nblocks;
+    Py_ssize_t n;
+    if (cut_impl(s, inline_max, &seg, &end, &nblocks, &n) < 0) return NULL;
+    return Py_BuildValue("(LLLn)", (long long)seg, (long long)end, (long long)nblocks, n);
+}
+
+/* The carried launch of cucopy/backends/_cudacall.c as a C function, handed over in a
+ * capsule of this name (the same layout is declared there). carried() returns the
+ * CUresult, or a negative value when it launched nothing. */
+typedef struct {
+    int (*carried)(void *drv, unsigned long long nblocks, unsigned long long stream,
+                   unsigned long long seg, const void *host, size_t nbytes);
+    void *drv;
+} CarriedLauncher;
+#define LAUNCHER_NAME "cucopy.carried_launcher"
+
+/* flush_carried(launcher, stream, inline_max, device_base) -> int or tuple: cut(inline_max),
+ * then, when the segment is at most inline_max bytes, launch it carried through the
+ * launcher (device_base: the slot's device address). Returns the bytes carried when
+ * the launch went through; otherwise (too large, or the launcher launched nothing or
+ * failed) cut()'s (seg, end, nblocks, n), for the caller's own path to land. One call
+ * at flush instead of cut() and the backend's launch through Python. */
+static PyObject *seg_flush_carried(Segment *s, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError,
+                        "flush_carried(launcher, stream, inline_max, device_base)");
+        return NULL;
+    }
+    CarriedLauncher *L = PyCapsule_GetPointer(args[0], LAUNCHER_NAME);
+    if (!L) return NULL;
+    unsigned long long stream = PyLong_AsUnsignedLongLong(args[1]);
+    if (stream == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
+    long long inline_max = PyLong_AsLongLong(args[2]);
+    if (inline_max == -1 && PyErr_Occurred()) return NULL;
+    unsigned long long dev = PyLong_AsUnsignedLongLong(args[3]);
+    if (dev == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
+    int64_t seg, end, nblocks;
+    Py_ssize_t n;
+    if (cut_impl(s, inline_max, &seg, &end, &nblocks, &n) < 0) return NULL;
+    int64_t total = end - seg;
+    if (total <= inline_max &&
+        L->carried(L->drv, (unsigned long long)nblocks, stream, dev + (unsigned long long)seg,
+                   (const char *)s->view.buf + seg, (size_t)total) == 0)
+        return PyLong_FromLongLong(total);
+    return Py_BuildValue("(LLLn)", (long long)seg, (long long)end, (long long)nblocks, n);
 }
 
 /* -- per-site merged counters: folded into sites[site].merged ------------------ */
@@ -1876,6 +1933,8 @@ static PyGetSetDef seg_getset[] = {
 
 static PyMethodDef seg_methods[] = {
     {"bind", (PyCFunction)seg_bind, METH_O, "Start staging into a slot."},
+    {"flush_carried", (PyCFunction)(void (*)(void))seg_flush_carried, METH_FASTCALL,
+     "cut(), then launch the segment carried through a launcher capsule when it fits."},
     {"unbind", (PyCFunction)seg_unbind, METH_NOARGS, "Forget the slot."},
     {"set_cursor", (PyCFunction)seg_set_cursor, METH_O, "Move the segment cursor."},
     {"room", (PyCFunction)seg_room, METH_O, "Whether an eager snapshot fits."},

@@ -222,6 +222,9 @@ class DeviceCopier:
         # waiting for its peers). A copier is made before such phases.
         caps = self._backend.carry_capacities()
         self._carry_max = caps[-1] if caps else 0
+        # the compiled carried launch the staging core makes in the call that cuts a
+        # segment (None: cut, then the backend's scatter())
+        self._launcher = self._backend.carried_launcher() if self._handle is not None else None
         # rings of copiers collected without close(), freed here once their work is
         # done (never waited for: a copier may be made inside a stream hold)
         free_orphans()
@@ -1267,42 +1270,23 @@ class DeviceCopier:
         try:
             if checker is not None:
                 checker.before_flush(entries)
-            start, end, nblocks, n = seg.cut(cmax if mode in ("inline", "auto") else -1)
-            be = self._backend
-            # the header and the table (past the table's end may lie reserved space)
-            head = pack.HEADER_BYTES + n * pack.DESC_BYTES
-            total = end - start
             pin = slot.pinned
-            if mode in ("inline", "auto") and total <= cmax:
-                # the whole segment travels in the launch: nothing read at run time
-                be.scatter(
-                    pin.device_ptr + start, nblocks, self._stream, True, total, pin.ptr + start
-                )
-                how = "inline"
-            elif mode == "mapped" or (
-                mode != "dma"
-                and total <= self._mapped_max
-                and (head <= cmax or (n <= _MAPPED_MAX_DESCS and total <= _UNCARRIED_MAPPED_MAX))
-            ):
-                # the header and the table travel (not the reserved space after it)
-                carry = pack.align(head) if head <= cmax else 0
-                be.scatter(
-                    pin.device_ptr + start, nblocks, self._stream, True, carry, pin.ptr + start
-                )
-                how = "mapped"
+            if mode in ("inline", "auto"):
+                launcher = self._launcher
+                if launcher is not None:
+                    # cut and, when the whole segment fits, the carried launch, in one call
+                    cut = seg.flush_carried(launcher, self._handle, cmax, pin.device_ptr)
+                else:
+                    cut = seg.cut(cmax)
             else:
-                be.copy2d(
-                    True,
-                    slot.staging.ptr + start,
-                    total,
-                    pin.ptr + start,
-                    total,
-                    total,
-                    1,
-                    self._stream,
-                )
-                be.scatter(slot.staging.ptr + start, nblocks, self._stream, False)
-                how = "dma"
+                cut = seg.cut(-1)
+            if cut.__class__ is int:
+                total = cut
+                how = "inline"
+            else:
+                start, end, nblocks, n = cut
+                how = self._land(start, end, nblocks, n, mode, cmax, slot, pin)
+                total = end - start
         except BaseException as exc:
             self._drop_segment(entries)
             if isinstance(exc, CopyError) or not isinstance(exc, Exception):
@@ -1322,6 +1306,31 @@ class DeviceCopier:
         st.bytes_staged += total
         del entries  # the segment recycles entries no one else holds (compiled twin)
         seg.finish()
+
+    def _land(self, start, end, nblocks, n, mode, cmax, slot, pin) -> str:
+        """Launch a cut segment by ``mode``'s path; returns the path taken."""
+        be = self._backend
+        # the header and the table (past the table's end may lie reserved space)
+        head = pack.HEADER_BYTES + n * pack.DESC_BYTES
+        total = end - start
+        if mode in ("inline", "auto") and total <= cmax:
+            # the whole segment travels in the launch: nothing read at run time
+            be.scatter(pin.device_ptr + start, nblocks, self._stream, True, total, pin.ptr + start)
+            return "inline"
+        if mode == "mapped" or (
+            mode != "dma"
+            and total <= self._mapped_max
+            and (head <= cmax or (n <= _MAPPED_MAX_DESCS and total <= _UNCARRIED_MAPPED_MAX))
+        ):
+            # the header and the table travel (not the reserved space after it)
+            carry = pack.align(head) if head <= cmax else 0
+            be.scatter(pin.device_ptr + start, nblocks, self._stream, True, carry, pin.ptr + start)
+            return "mapped"
+        be.copy2d(
+            True, slot.staging.ptr + start, total, pin.ptr + start, total, total, 1, self._stream
+        )
+        be.scatter(slot.staging.ptr + start, nblocks, self._stream, False)
+        return "dma"
 
 
 _active: contextvars.ContextVar = contextvars.ContextVar("cucopy_active_copier", default=None)

@@ -659,6 +659,33 @@ class PySegment:
 
     # -- cut, encode, finish ---------------------------------------------------------------
 
+    def flush_carried(self, launcher, stream: int, inline_max: int, device_base: int):
+        """:meth:`cut`, then launch the segment carried through ``launcher`` when it fits.
+
+        ``launcher`` is the compiled carried launch (a capsule from the CUDA backend's
+        ``carried_launcher()``), which only the compiled twin can call: this one never
+        launches and returns :meth:`cut`'s tuple, so the caller lands the segment
+        through its own path (the same bytes and launch as the compiled twin's).
+
+        Parameters
+        ----------
+        launcher : object
+            The capsule.
+        stream : int
+            The raw stream to launch on.
+        inline_max : int
+            The largest segment a launch may carry (bytes).
+        device_base : int
+            The device address of the slot's first byte.
+
+        Returns
+        -------
+        int or tuple
+            The bytes carried when the launch went through; otherwise ``(seg, end,
+            nblocks, ndesc)`` as :meth:`cut` returns.
+        """
+        return self.cut(inline_max)
+
     def cut(self, inline_max: int) -> tuple:
         """Encode the open segment's header and descriptors into the slot.
 

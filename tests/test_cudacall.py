@@ -179,3 +179,174 @@ def test_the_compiled_driver_calls_are_built_and_chosen_unless_pure_python():
     else:
         assert _cudacall is not None, "cucopy.backends._cudacall is not built"
         assert config_dict()["driver_calls"] == "compiled"
+
+
+# -- the carried launch as a C function, called by the staging core at flush ---------
+
+try:
+    from cucopy._segment import Segment as CSegment
+except ImportError:
+    CSegment = None
+
+from cucopy.backends.sim import _SPACE, SimDevice  # noqa: E402
+
+needs_both = pytest.mark.skipif(
+    _cudacall is None or CSegment is None, reason="both compiled modules are needed"
+)
+
+
+@pytest.fixture(autouse=True)
+def _compiled_segment(monkeypatch):
+    # the staging core's launcher call is the compiled twin's (the pure-Python run
+    # of the suite still tests it, side by side, as test_segment does its twins)
+    if CSegment is not None:
+        import cucopy.copier as copier_module
+
+        monkeypatch.setattr(copier_module, "Segment", CSegment)
+
+
+def _staged_copier(sizes):
+    """A sim copier with the compiled segment, a step open and len(sizes) copies staged."""
+    import cucopy as cc
+
+    sites = list(cc.CopySite("L", [(f"s{i}", cc.H2D) for i in range(len(sizes))]))
+    dev = SimDevice()
+    c = cc.DeviceCopier(cc.CopyPlan(merge=set(sites)), device=dev, backend="sim")
+    assert type(c._seg) is CSegment
+    c.begin()
+    rng = np.random.default_rng(len(sizes))
+    for s, k in zip(sites, sizes):
+        c.copy(s, dev.zeros((k,), np.int32), rng.integers(0, 1 << 30, k, dtype=np.int32))
+    return c
+
+
+@needs_both
+def test_the_staging_core_launches_what_cut_encodes_through_the_launcher():
+    # the same program staged twice: one segment cut as the Python path cuts it, the
+    # other cut and launched in one call; the launch carries exactly the cut bytes
+    fake = FakeDriver()
+    launcher = _driver(fake).launcher()
+    sizes = [3, 40, 1, 200, 17]
+    a, b = _staged_copier(sizes), _staged_copier(sizes)
+    start, end, nblocks, n = b._seg.cut(4096)
+    total = a._seg.flush_carried(launcher, 0xABC, 4096, 0x7000000)
+    assert total == end - start
+    (rec,) = fake.launches
+    assert rec["grid"] == (nblocks, 1, 1) and rec["stream"] == 0xABC
+    buf = rec["buffer"]
+    seg, nbytes, _ = struct.unpack_from("<QII", buf)
+    assert seg == 0x7000000 + start and nbytes == total
+    carried = buf[pack.CARRY_PREFIX : pack.CARRY_PREFIX + nbytes]
+    assert carried == bytes(a._seg.slot.array[start:end])
+    # the same bytes as the Python path's cut (destinations compared within each
+    # simulated device's own address space)
+    ha, da = pack.decode(carried)
+    hb, db = pack.decode(bytes(b._seg.slot.array[start:end]))
+    assert ha == hb and da.shape == db.shape
+    for f in da.dtype.names:
+        x, y = da[f], db[f]
+        if f == "dst":
+            x, y = x & (_SPACE - 1), y & (_SPACE - 1)
+        assert np.array_equal(x, y), f
+    assert a._seg.cursor == b._seg.cursor and a._seg.peak == b._seg.peak
+    for c in (a, b):
+        c.discard()
+        c.close()
+
+
+@needs_both
+def test_what_the_launcher_cannot_launch_comes_back_cut_for_the_python_path():
+    fake = FakeDriver()
+    launcher = _driver(fake).launcher()
+    sizes = [5, 9]
+    # too large to carry: cut only, nothing launched
+    a, b = _staged_copier(sizes), _staged_copier(sizes)
+    assert a._seg.flush_carried(launcher, 1, 16, 0x7000000) == b._seg.cut(16)
+    assert fake.launches == []
+    # the driver refused the launch: the same cut comes back (the backend's scatter()
+    # then launches again and reports the error)
+    c, d = _staged_copier(sizes), _staged_copier(sizes)
+    fake.result = 700
+    assert c._seg.flush_carried(launcher, 1, 4096, 0x7000000) == d._seg.cut(4096)
+    assert len(fake.launches) == 1
+    with pytest.raises((TypeError, ValueError)):
+        c._seg.flush_carried(object(), 1, 4096, 0)  # not a launcher capsule
+    for x in (a, b, c, d):
+        x.discard()
+        x.close()
+
+
+_CTX_CURRENT = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_void_p))
+
+
+@needs_ext
+def test_a_bound_driver_calls_nothing_from_another_context():
+    fake = FakeDriver()
+    d = _driver(fake)
+    current = {"ctx": 0x1111}
+
+    @_CTX_CURRENT
+    def ctx_current(out):
+        out[0] = current["ctx"]
+        return 0
+
+    d.bind(ctypes.cast(ctx_current, ctypes.c_void_p).value, 0x1111)
+    host = np.zeros(32, np.uint8)
+    assert d.carried(1, 0, 0x1000, host.ctypes.data, 32) == 0
+    assert d.scatter(1, 0, 0x1000) == 0
+    fake.status = 1
+    assert d.is_capturing(0) == 1
+    assert len(fake.launches) == 2
+    current["ctx"] = 0x2222  # another device's context is current on this thread
+    assert d.carried(1, 0, 0x1000, host.ctypes.data, 32) == _cudacall.OTHER_CONTEXT
+    assert d.scatter(1, 0, 0x1000) == _cudacall.OTHER_CONTEXT
+    assert d.is_capturing(0) == _cudacall.OTHER_CONTEXT_STATUS < 0
+    assert len(fake.launches) == 2  # nothing reached the driver
+    with pytest.raises(ValueError):
+        d.bind(0, 0x1111)
+
+
+@needs_ext
+def test_a_launcher_keeps_its_driver_alive():
+    import gc
+
+    fake = FakeDriver()
+    launcher = _driver(fake).launcher()  # the Driver itself is dropped here
+    gc.collect()
+    if CSegment is None:
+        return
+    a = _staged_copier([4])
+    assert isinstance(a._seg.flush_carried(launcher, 1, 4096, 0x1000), int)
+    assert len(fake.launches) == 1
+    a.discard()
+    a.close()
+
+
+@pytest.mark.gpu
+@needs_both
+def test_on_a_gpu_inline_segments_launch_from_the_staging_core(env):
+    import cucopy as cc
+
+    if os.environ.get("CUCOPY_PURE_PYTHON") or not hasattr(env, "cp"):
+        pytest.skip("the compiled launcher is the CUDA backend's")
+    site = cc.CopySite("G", [("a", cc.H2D), ("b", cc.H2D)])
+    c = env.copier(cc.CopyPlan(merge=set(site)), flush_mode="auto")
+    assert c._launcher is not None
+    calls = []
+    scatter = c._backend.scatter
+
+    def spy(*args, **kw):
+        calls.append(args)
+        return scatter(*args, **kw)
+
+    c._backend.scatter = spy
+    a, b = env.empty((5,)), env.empty((300,))
+    for step in range(3):
+        with c.step():
+            c.copy(site.a, a, np.arange(5, dtype=np.int32) + step)
+            c.copy(site.b, b, np.arange(300, dtype=np.int32) * step)
+        assert env.to_host(a).tolist() == list(range(step, step + 5))
+        assert env.to_host(b).tolist() == [i * step for i in range(300)]
+    assert calls == []  # every launch came from the staging core
+    assert c.stats.modes["inline"] == 3 and c.stats.segments == 3
+    c.close()

@@ -17,6 +17,12 @@
  * engine with a second Python thread a launch measured about 28 us that way
  * (bench/results/2026-12-01-h200-run30, hf_upload_profile) against 5-7 alone.
  *
+ * Once bind() names the device's context, every call first checks that it is the
+ * calling thread's current one and does nothing otherwise (OTHER_CONTEXT), so the
+ * backend makes these calls before asking CuPy which device is current. The carried
+ * launch is also offered as a C function (launcher()) that the staging core calls at
+ * flush, straight after cutting the segment.
+ *
  * Nothing here maps errors: each call returns the driver's CUresult (or, for the
  * capture query, the capture status), and the backend turns a failure into its
  * usual CopyError (or retries through CuPy, whose error it then reports).
@@ -30,6 +36,24 @@ typedef int (*launch_fn)(void *f, unsigned gx, unsigned gy, unsigned gz, unsigne
                          unsigned by, unsigned bz, unsigned shmem, void *stream,
                          void **params, void **extra);
 typedef int (*capturing_fn)(void *stream, int *status);
+typedef int (*ctx_current_fn)(void **ctx);
+
+/* The carried launch as a C function, for the staging core (cucopy/_segment.c) to
+ * call at flush without a trip through Python: handed over in a capsule named
+ * LAUNCHER_NAME whose pointer is this struct (the same layout is declared there).
+ * carried() returns the CUresult, or a negative value when it launched nothing (no
+ * capacity holds nbytes, a grid out of range, or another context current). */
+typedef struct {
+    int (*carried)(void *drv, unsigned long long nblocks, unsigned long long stream,
+                   unsigned long long seg, const void *host, size_t nbytes);
+    void *drv;
+} CarriedLauncher;
+#define LAUNCHER_NAME "cucopy.carried_launcher"
+
+/* what the calls answer, without calling the driver, when the thread's current
+ * context is not the one bind() named: the backend's checked path then runs */
+#define OTHER_CONTEXT (-2)
+#define OTHER_CONTEXT_STATUS (-1000000)
 
 /* cuda.h: CU_LAUNCH_PARAM_END, CU_LAUNCH_PARAM_BUFFER_POINTER, CU_LAUNCH_PARAM_BUFFER_SIZE */
 #define PARAM_END ((void *)0x00)
@@ -48,7 +72,17 @@ typedef struct {
     void *carried[MAX_CAPS];
     void *scatter; /* NULL until kernels() */
     unsigned threads;
+    ctx_current_fn ctx_current; /* with ctx: set by bind() */
+    void *ctx;                  /* the device's context; NULL: not checked */
+    CarriedLauncher launcher;
 } Driver;
+
+/* 1 when the calling thread's current context is the bound one (or none is bound) */
+static int same_context(Driver *self) {
+    if (!self->ctx) return 1;
+    void *c = NULL;
+    return self->ctx_current(&c) == 0 && c == self->ctx;
+}
 
 static int Driver_init(Driver *self, PyObject *args, PyObject *kw) {
     static char *names[] = {"launch", "is_capturing", NULL};
@@ -63,7 +97,24 @@ static int Driver_init(Driver *self, PyObject *args, PyObject *kw) {
     self->ncaps = 0;
     self->scatter = NULL;
     self->threads = 0;
+    self->ctx_current = NULL;
+    self->ctx = NULL;
     return 0;
+}
+
+/* bind(ctx_get_current, ctx): from now on every call first checks that the calling
+ * thread's current context is ctx (cuCtxGetCurrent, ~20 ns), and launches or queries
+ * nothing otherwise, so the backend need not ask which device is current first. */
+static PyObject *Driver_bind(Driver *self, PyObject *args) {
+    unsigned long long get = 0, ctx = 0;
+    if (!PyArg_ParseTuple(args, "KK", &get, &ctx)) return NULL;
+    if (!get || !ctx) {
+        PyErr_SetString(PyExc_ValueError, "bind: a null entry point or context");
+        return NULL;
+    }
+    self->ctx_current = (ctx_current_fn)(uintptr_t)get;
+    self->ctx = (void *)(uintptr_t)ctx;
+    Py_RETURN_NONE;
 }
 
 /* kernels(scatter, carried, threads): the kernels to launch, once they are loaded;
@@ -116,15 +167,38 @@ static PyObject *Driver_kernels(Driver *self, PyObject *args) {
 static PyObject *Driver_is_capturing(Driver *self, PyObject *arg) {
     unsigned long long stream = PyLong_AsUnsignedLongLong(arg);
     if (stream == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
+    if (!same_context(self)) return PyLong_FromLong(OTHER_CONTEXT_STATUS);
     int status = 0;
     int rc = self->capturing((void *)(uintptr_t)stream, &status);
     return PyLong_FromLong(rc ? -(long)rc : (long)status);
 }
 
 /* carried(nblocks, stream, seg, host, nbytes) -> CUresult, or -1 when no capacity
- * holds nbytes. Copies nbytes from host into a parameter buffer after the prefix
+ * holds nbytes (or the grid is out of range), OTHER_CONTEXT when another context is
+ * current. Copies nbytes from host into a parameter buffer after the prefix
  * {seg, nbytes, 0} and launches the smallest carried kernel that holds them; the
  * driver takes the buffer during the call. */
+static int carried_impl(void *drv, unsigned long long nblocks, unsigned long long stream,
+                        unsigned long long seg, const void *host, size_t nbytes) {
+    Driver *self = (Driver *)drv;
+    int k = 0;
+    while (k < self->ncaps && self->caps[k] < nbytes) k++;
+    if (k == self->ncaps || nblocks == 0 || nblocks > 0x7fffffffULL || !self->threads) return -1;
+    if (!same_context(self)) return OTHER_CONTEXT;
+    size_t size = PREFIX + self->caps[k];
+    /* 8-byte aligned, as the kernel's parameter struct is */
+    uint64_t buf[(PREFIX + 32768) / 8]; /* capacities are at most 32 KiB (kernels()) */
+    buf[0] = seg;
+    ((uint32_t *)buf)[2] = (uint32_t)nbytes;
+    ((uint32_t *)buf)[3] = 0;
+    memcpy((char *)buf + PREFIX, host, nbytes);
+    /* the kernel reads only the bytes carried; the rest of the capacity is left as is */
+    void *extra[5] = {PARAM_BUFFER_POINTER, buf, PARAM_BUFFER_SIZE, &size, PARAM_END};
+    /* the GIL is held throughout (see the top of this file) */
+    return self->launch(self->carried[k], (unsigned)nblocks, 1, 1, self->threads, 1, 1, 0,
+                        (void *)(uintptr_t)stream, NULL, extra);
+}
+
 static PyObject *Driver_carried(Driver *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 5) {
         PyErr_SetString(PyExc_TypeError, "carried(nblocks, stream, seg, host, nbytes)");
@@ -135,24 +209,25 @@ static PyObject *Driver_carried(Driver *self, PyObject *const *args, Py_ssize_t 
         v[i] = PyLong_AsUnsignedLongLong(args[i]);
         if (v[i] == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
     }
-    size_t nbytes = (size_t)v[4];
-    int k = 0;
-    while (k < self->ncaps && self->caps[k] < nbytes) k++;
-    if (k == self->ncaps || v[0] == 0 || v[0] > 0x7fffffffULL || !self->threads)
-        return PyLong_FromLong(-1);
-    size_t size = PREFIX + self->caps[k];
-    /* 8-byte aligned, as the kernel's parameter struct is */
-    uint64_t buf[(PREFIX + 32768) / 8]; /* capacities are at most 32 KiB (kernels()) */
-    buf[0] = v[2];
-    ((uint32_t *)buf)[2] = (uint32_t)nbytes;
-    ((uint32_t *)buf)[3] = 0;
-    memcpy((char *)buf + PREFIX, (const void *)(uintptr_t)v[3], nbytes);
-    /* the kernel reads only the bytes carried; the rest of the capacity is left as is */
-    void *extra[5] = {PARAM_BUFFER_POINTER, buf, PARAM_BUFFER_SIZE, &size, PARAM_END};
-    /* the GIL is held throughout (see the top of this file) */
-    int rc = self->launch(self->carried[k], (unsigned)v[0], 1, 1, self->threads, 1, 1, 0,
-                          (void *)(uintptr_t)v[1], NULL, extra);
-    return PyLong_FromLong(rc);
+    return PyLong_FromLong(
+        carried_impl(self, v[0], v[1], v[2], (const void *)(uintptr_t)v[3], (size_t)v[4]));
+}
+
+/* launcher() -> a capsule of the carried launch as a C function (CarriedLauncher),
+ * holding this Driver alive */
+static void launcher_free(PyObject *cap) { Py_XDECREF((PyObject *)PyCapsule_GetContext(cap)); }
+
+static PyObject *Driver_launcher(Driver *self, PyObject *unused) {
+    self->launcher.carried = carried_impl;
+    self->launcher.drv = self;
+    PyObject *cap = PyCapsule_New(&self->launcher, LAUNCHER_NAME, launcher_free);
+    if (!cap) return NULL;
+    if (PyCapsule_SetContext(cap, Py_NewRef(self)) < 0) {
+        Py_DECREF(self);
+        Py_DECREF(cap);
+        return NULL;
+    }
+    return cap;
 }
 
 /* scatter(nblocks, stream, seg) -> CUresult: the kernel that reads the segment at seg */
@@ -167,6 +242,7 @@ static PyObject *Driver_scatter(Driver *self, PyObject *const *args, Py_ssize_t 
         if (v[i] == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
     }
     if (v[0] == 0 || v[0] > 0x7fffffffULL || !self->scatter) return PyLong_FromLong(-1);
+    if (!same_context(self)) return PyLong_FromLong(OTHER_CONTEXT);
     uint64_t seg = v[2];
     void *params[1] = {&seg};
     int rc = self->launch(self->scatter, (unsigned)v[0], 1, 1, self->threads, 1, 1, 0,
@@ -177,6 +253,10 @@ static PyObject *Driver_scatter(Driver *self, PyObject *const *args, Py_ssize_t 
 static PyMethodDef Driver_methods[] = {
     {"kernels", (PyCFunction)Driver_kernels, METH_VARARGS,
      "kernels(scatter, carried, threads): the kernels to launch ((capacity, CUfunction) pairs)."},
+    {"bind", (PyCFunction)Driver_bind, METH_VARARGS,
+     "bind(ctx_get_current, ctx): check the current context is ctx before every call."},
+    {"launcher", (PyCFunction)Driver_launcher, METH_NOARGS,
+     "launcher() -> a capsule of the carried launch for the staging core to call."},
     {"is_capturing", (PyCFunction)Driver_is_capturing, METH_O,
      "is_capturing(stream) -> capture status (0, 1, 2), or -CUresult on failure."},
     {"carried", (PyCFunction)(void (*)(void))Driver_carried, METH_FASTCALL,
@@ -210,7 +290,10 @@ PyMODINIT_FUNC PyInit__cudacall(void) {
         Py_DECREF(m);
         return NULL;
     }
-    if (PyModule_AddIntConstant(m, "PREFIX", PREFIX) < 0) {
+    if (PyModule_AddIntConstant(m, "PREFIX", PREFIX) < 0 ||
+        PyModule_AddIntConstant(m, "OTHER_CONTEXT", OTHER_CONTEXT) < 0 ||
+        PyModule_AddIntConstant(m, "OTHER_CONTEXT_STATUS", OTHER_CONTEXT_STATUS) < 0 ||
+        PyModule_AddStringConstant(m, "LAUNCHER_NAME", LAUNCHER_NAME) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -244,6 +244,17 @@ class Backend:
         """Ascending byte counts a scatter launch can carry in its parameters (none: ``()``)."""
         return ()
 
+    def carried_launcher(self):
+        """The carried scatter launch as a compiled function, or None.
+
+        A capsule the compiled staging core calls at flush (``Segment.flush_carried``)
+        to launch a segment carried whole, in the same call that cuts it: the launch
+        :meth:`scatter` makes for ``carry`` equal to the segment's size, with no trip
+        through Python. None when the backend has no such function (then the copier
+        calls :meth:`scatter`).
+        """
+        return None
+
     def describe(self) -> str:
         """A short name for messages, e.g. ``cuda:0`` or ``sim:0``."""
         return self.name

@@ -406,6 +406,14 @@ def cudacall_module():
     return _cudacall
 
 
+def _current_context() -> int:
+    """The calling thread's current CUDA context (its handle), 0 when none."""
+    try:
+        return int(_drv.ctxGetCurrent())
+    except Exception:  # an old CuPy without it: the compiled calls stay unbound
+        return 0
+
+
 def _compiled_driver():
     """The compiled per-step driver calls (``_cudacall.Driver``), or None.
 
@@ -624,6 +632,8 @@ class CudaBackend(Backend):
         self._kern = None
         # cuLaunchKernel / cuStreamIsCapturing straight from C (None: CuPy's wrappers)
         self._fast = _compiled_driver()
+        # the same, once it checks the current context itself (_get_kernels)
+        self._bound = None
         self._hold_lock = threading.Lock()
         self._hold_page = None
         self._hold_free = []
@@ -652,10 +662,23 @@ class CudaBackend(Backend):
         k = self._kern
         if k is None:
             k = self._on_device(_kernels, self.device)
-            if self._fast is not None:
-                self._fast.kernels(k.scatter, sorted(k.carried.items()), pack.THREADS)
+            fast = self._fast
+            if fast is not None:
+                fast.kernels(k.scatter, sorted(k.carried.items()), pack.THREADS)
+                get = _driver_entry("cuCtxGetCurrent")
+                ctx = self._on_device(_current_context)
+                if get is not None and ctx:
+                    # from now on the compiled calls check the current context
+                    # themselves: no asking CuPy which device is current first
+                    fast.bind(ctypes.cast(get, ctypes.c_void_p).value, ctx)
+                    self._bound = fast
             self._kern = k
         return k
+
+    def carried_launcher(self):
+        """The compiled carried launch (a capsule), once the kernels are loaded; else None."""
+        fast = self._bound
+        return None if fast is None else fast.launcher()
 
     # -- streams and capture -------------------------------------------------------
 
@@ -703,6 +726,11 @@ class CudaBackend(Backend):
             If the query itself is illegal, e.g. the legacy default stream while
             another stream captures in global mode.
         """
+        bound = self._bound
+        if bound is not None:
+            status = bound.is_capturing(stream)  # < 0: another device current, or failed
+            if status >= 0:
+                return status != 0
         if _getDevice() != self.device:
             return self._on_device(self.is_capturing, stream)
         fast = self._fast
@@ -909,11 +937,12 @@ class CudaBackend(Backend):
             If ``carry`` exceeds every capacity on offer (:meth:`carry_capacities`),
             or ``nblocks`` the grid's limit (2**31 - 1).
         """
-        fast = self._fast
-        if fast is not None and self._kern is not None and _getDevice() == self.device:
-            # one C call; on any failure (no context bound to this thread yet, a bad
-            # argument: a grid of no blocks or too many) the path below checks the
-            # arguments, runs the launch again and reports it
+        fast = self._bound
+        if fast is not None:
+            # one C call, which checks the current context itself; on any failure
+            # (another device current, a bad argument: a grid of no blocks or too
+            # many) the path below checks the arguments, runs the launch again on
+            # the right device and reports it
             if carry:
                 if not fast.carried(nblocks, stream, segment_ptr, host_ptr, carry):
                     return
