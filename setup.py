@@ -42,6 +42,7 @@ setup(
         Extension(
             "cucopy._segment",
             ["cucopy/_segment.c"],
+            depends=["cucopy/_carried_launcher.h"],
             extra_compile_args=["-O2", "-std=c11"],
         ),
         # the CUDA backend's per-step driver calls (links nothing: entry points are
@@ -49,6 +50,7 @@ setup(
         Extension(
             "cucopy.backends._cudacall",
             ["cucopy/backends/_cudacall.c"],
+            depends=["cucopy/_carried_launcher.h"],
             extra_compile_args=["-O2", "-std=c11"],
         ),
     ],

@@ -219,7 +219,7 @@ def package_versions() -> dict:
 
 # What a source digest covers: the library and the bench, not the stored results.
 DIGEST_DIRS = ("cucopy", "bench")
-DIGEST_SUFFIXES = (".py", ".cu", ".sh", ".c")
+DIGEST_SUFFIXES = (".py", ".cu", ".sh", ".c", ".h")  # no .h file existed before session 7
 # the rule of the digests stored up to run 30, which left out the compiled twins' C
 # sources (two runs differing only in them had one digest); digest.py --find tries both
 DIGEST_SUFFIXES_V1 = (".py", ".cu", ".sh")

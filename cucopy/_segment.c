@@ -18,6 +18,7 @@
 #include <structmember.h>
 #include <stdint.h>
 #include <string.h>
+#include "_carried_launcher.h"
 
 #define HEADER_BYTES 32
 #define DESC_BYTES 48
@@ -1730,16 +1731,6 @@ static PyObject *seg_cut(Segment *s, PyObject *arg) {
     if (cut_impl(s, inline_max, &seg, &end, &nblocks, &n) < 0) return NULL;
     return Py_BuildValue("(LLLn)", (long long)seg, (long long)end, (long long)nblocks, n);
 }
-
-/* The carried launch of cucopy/backends/_cudacall.c as a C function, handed over in a
- * capsule of this name (the same layout is declared there). carried() returns the
- * CUresult, or a negative value when it launched nothing. */
-typedef struct {
-    int (*carried)(void *drv, unsigned long long nblocks, unsigned long long stream,
-                   unsigned long long seg, const void *host, size_t nbytes);
-    void *drv;
-} CarriedLauncher;
-#define LAUNCHER_NAME "cucopy.carried_launcher"
 
 /* flush_carried(launcher, stream, inline_max, device_base) -> int or tuple: cut(inline_max),
  * then, when the segment is at most inline_max bytes, launch it carried through the

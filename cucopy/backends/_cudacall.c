@@ -31,6 +31,7 @@
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
+#include "../_carried_launcher.h"
 
 typedef int (*launch_fn)(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
                          unsigned by, unsigned bz, unsigned shmem, void *stream,
@@ -38,18 +39,7 @@ typedef int (*launch_fn)(void *f, unsigned gx, unsigned gy, unsigned gz, unsigne
 typedef int (*capturing_fn)(void *stream, int *status);
 typedef int (*ctx_current_fn)(void **ctx);
 
-/* The carried launch as a C function, for the staging core (cucopy/_segment.c) to
- * call at flush without a trip through Python: handed over in a capsule named
- * LAUNCHER_NAME whose pointer is this struct (the same layout is declared there).
- * carried() returns the CUresult, or a negative value when it launched nothing (no
- * capacity holds nbytes, a grid out of range, or another context current). */
-typedef struct {
-    int (*carried)(void *drv, unsigned long long nblocks, unsigned long long stream,
-                   unsigned long long seg, const void *host, size_t nbytes);
-    void *drv;
-} CarriedLauncher;
-#define LAUNCHER_NAME "cucopy.carried_launcher"
-
+/* the carried launch, offered to the staging core as a C function (launcher()) */
 /* what the calls answer, without calling the driver, when the thread's current
  * context is not the one bind() named: the backend's checked path then runs */
 #define OTHER_CONTEXT (-2)
