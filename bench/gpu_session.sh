@@ -180,6 +180,10 @@ if "$PY" -c "import transformers" 2>/dev/null; then
         step "hf_async_$fm" 60 env PYTHONPATH=. "$PY" examples/hf_continuous_batching.py --mode async \
             --flush-mode "$fm" --watchdog 50 --json "$work/bench/hf_continuous_batching-async-$fm.json"
     done
+    # both variants with one torch intra-op thread: do the engine's spinning CPU threads
+    # slow its own thread (rounds vary by +-40 % with torch's default)?
+    step hf_async_threads1 60 env PYTHONPATH=. "$PY" examples/hf_continuous_batching.py --mode async \
+        --threads 1 --watchdog 50 --json "$work/bench/hf_continuous_batching-async-threads1.json"
     step hf_upload_profile_dma 60 env PYTHONPATH=. "$PY" bench/probes/hf_upload_profile.py --mode async --pairs 2 --flush-mode dma
 else
     skip hf_async "transformers is not installed"

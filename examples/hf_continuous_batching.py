@@ -861,6 +861,7 @@ class Session:
                 },
                 "flush_mode": None if self.args.cpu else self.args.flush_mode,
                 "raw_min_bytes": self.args.raw_min_bytes,
+                "torch_threads": torch.get_num_threads(),
             },
             "copier_create_s": copier_s,
             "generate_batch_runs": self.generated,
@@ -955,6 +956,12 @@ def main(argv=None) -> int:
     p.add_argument("--raw-min-bytes", type=int, default=RAW_MIN_BYTES)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="torch.set_num_threads(N) for both variants (0: torch's default)",
+    )
+    p.add_argument(
         "--cpu", action="store_true", help="no GPU: sync mode with PlainCopier (the seam only)"
     )
     p.add_argument(
@@ -966,6 +973,11 @@ def main(argv=None) -> int:
         p.error("--requests, --new-tokens and --pairs must be >= 1")
     if args.watchdog > 0:
         faulthandler.dump_traceback_later(args.watchdog, exit=True)
+    if args.threads > 0:
+        # torch's intra-op threads (the engine's CPU tensor work) spin after each
+        # parallel region: on a machine whose CPU time is shared, one process's
+        # spinning threads can slow its own engine thread
+        torch.set_num_threads(args.threads)
     # the engine logs a warning per persistent-manager run; errors (with tracebacks) still show
     logging.getLogger("ContinuousBatchingLogger").setLevel(logging.ERROR)
 

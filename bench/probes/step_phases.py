@@ -89,6 +89,7 @@ def main(argv=None) -> None:
     profiled = None
     for label, c, triples in _variants(args, sites, sizes, srcs):
         _phases(args, label, c, triples)
+        _phases(args, label, c, triples, drained=True)
         _positions(args, label, c, triples)
         if profiled is None:
             profiled = (c, triples)
@@ -165,11 +166,17 @@ def _positions(args, label, c, triples) -> None:
     print(f"  {label}: ns per copy by place (timer included): {head} ... rest median {rest:.0f}")
 
 
-def _phases(args, label, c, triples) -> None:
+def _phases(args, label, c, triples, drained: bool = False) -> None:
+    """Median host us of begin(), the copies and flush(), steps back to back, or (``drained``)
+    each issued after the stream has run everything before it, as the bench times steps."""
     copy = c.copy
+    sync = c._backend.synchronize
+    stream = c._stream
     tb, tc, tf, tw = [], [], [], []
     clock = time.perf_counter
     for i in range(args.steps + 200):
+        if drained:
+            sync(stream)
         t0 = clock()
         c.begin()
         t1 = clock()
@@ -178,6 +185,11 @@ def _phases(args, label, c, triples) -> None:
         t2 = clock()
         c.flush()
         t3 = clock()
+        if drained:
+            sync(stream)
+            t3b = clock()
+        else:
+            t3b = t3
         with c.step():
             for s, d, x in triples:
                 copy(s, d, x)
@@ -186,15 +198,16 @@ def _phases(args, label, c, triples) -> None:
             tb.append(t1 - t0)
             tc.append(t2 - t1)
             tf.append(t3 - t2)
-            tw.append(t4 - t3)
+            tw.append(t4 - t3b)
     med = statistics.median
     us = 1e6
     whole = (med(tb) + med(tc) + med(tf)) * us
+    how = ", each after a drained stream" if drained else ""
     print(
-        f"N={args.n} {label}: begin {med(tb) * us:.2f} us, copies {med(tc) * us / args.n:.3f} us "
-        f"each, flush {med(tf) * us:.2f} us; whole step {whole:.1f} us = "
-        f"{whole / args.n:.2f} us/copy; as a step() block {med(tw) * us:.1f} us = "
-        f"{med(tw) * us / args.n:.2f} us/copy"
+        f"N={args.n} {label}{how}: begin {med(tb) * us:.2f} us, copies "
+        f"{med(tc) * us / args.n:.3f} us each, flush {med(tf) * us:.2f} us; whole step "
+        f"{whole:.1f} us = {whole / args.n:.2f} us/copy; as a step() block {med(tw) * us:.1f} us "
+        f"= {med(tw) * us / args.n:.2f} us/copy"
     )
 
 
