@@ -535,3 +535,27 @@ def test_bind_writes_into_the_slot_bound_now(cls):
     old[:] = 0
     start, end = _stage_one_into(seg, a)
     assert a.array[start:end].any() and not old.any()
+
+
+def test_the_python_twin_never_launches_and_cuts_as_cut_does(monkeypatch):
+    # flush_carried's contract on the reference twin: the caller's own path lands
+    # the segment, so it returns cut()'s tuple (only the compiled twin can call the
+    # compiled launcher)
+    monkeypatch.setattr(copier_module, "Segment", segment.PySegment)
+    out = []
+    for launcher in ("not called", None):
+        dev, c = _sim_copier()
+        c.begin()
+        for i, k in enumerate((3, 70, 1)):
+            c.copy(
+                (Site.A, Site.B)[i % 2],
+                dev.zeros((k,), np.int32),
+                np.arange(k, dtype=np.int32),
+            )
+        if launcher is None:
+            out.append(c._seg.cut(4096))
+        else:
+            out.append(c._seg.flush_carried(launcher, 0, 4096, 0x1000))
+        c.discard()
+        c.close()
+    assert isinstance(out[0], tuple) and out[0] == out[1]
