@@ -731,10 +731,10 @@ static PyObject *s_array, *s_top, *s_bottom;
 static PyObject *seg_bind(Segment *s, PyObject *slot) {
     PyObject *arr = PyObject_GetAttr(slot, s_array);
     if (!arr) { seg_release(s); return NULL; }
-    /* Each step binds the ring's next slot, mostly one bound before: its bytes
-     * are exported once per slot object and array (view.obj is the exporter),
-     * not once a step (~0.1 us). A slot the ring replaced is another object, and
-     * a closed slot's array is None: both are exported afresh (or fail). */
+    /* The export (~0.05 us) is kept for the slot bound last: binding that slot
+     * again (a ring of one slot, a re-bind) reuses it; the next slot of a rotating
+     * ring is exported afresh. A slot the ring replaced is another object, and a
+     * closed slot's array is None: both are exported afresh (or fail). */
     if (!s->bound || slot != s->slot || arr != s->view.obj) {
         seg_release(s);
         int r = PyObject_GetBuffer(arr, &s->view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS);
