@@ -350,3 +350,71 @@ def test_on_a_gpu_inline_segments_launch_from_the_staging_core(env):
     assert calls == []  # every launch came from the staging core
     assert c.stats.modes["inline"] == 3 and c.stats.segments == 3
     c.close()
+
+
+@needs_both
+@pytest.mark.parametrize("mode", ["auto", "inline", "mapped", "dma"])
+def test_a_copier_given_a_launcher_lands_what_scatter_would(mode):
+    # CI has no GPU, so the copier's launcher branch runs here against the simulated
+    # device: the fake driver checks the launch carries the slot's bytes, then lands
+    # them with the sim backend's own scatter (as the carried kernel would)
+    import cucopy as cc
+
+    class Site(cc.CopySite):
+        A = cc.H2D
+        B = cc.H2D
+
+    dev = SimDevice(policy="lazy")
+    c = cc.DeviceCopier(
+        cc.CopyPlan(merge={Site.A, Site.B}),
+        stream=dev.default_stream,
+        device=dev,
+        backend="sim",
+        flush_mode=mode,
+    )
+    be = c._backend
+    problems = []
+
+    class Landing(FakeDriver):
+        def launch(self, f, gx, gy, gz, bx, by, bz, shmem, stream, params, extra):
+            super().launch(f, gx, gy, gz, bx, by, bz, shmem, stream, params, extra)
+            try:
+                buf = self.launches[-1]["buffer"]
+                seg, n, _ = struct.unpack_from("<QII", buf)
+                pin = c._slot.pinned
+                start = seg - pin.device_ptr
+                if buf[pack.CARRY_PREFIX : pack.CARRY_PREFIX + n] != bytes(
+                    c._slot.array[start : start + n]
+                ):
+                    problems.append("the launch carried other bytes than the slot's")
+                be.scatter(seg, gx, dev.default_stream, True, n, pin.ptr + start)
+            except Exception as e:  # a callback's exception would be lost
+                problems.append(repr(e))
+            return 0
+
+    fake = Landing()
+    d = _cudacall.Driver(*fake.addrs)
+    caps = be.carry_capacities()
+    d.kernels(0x5CA7, [(cap, 0x1000 + i) for i, cap in enumerate(caps)], pack.THREADS)
+    c._launcher, c._handle = d.launcher(), 77
+    rng = np.random.default_rng(7)
+    dsts = [dev.zeros((k,), np.int32) for k in (3, 100, 5000, 1)]
+    for _ in range(4):
+        want = [rng.integers(-9, 9, d_.shape[0], dtype=np.int32) for d_ in dsts]
+        with c.step():
+            for i, (d_, w) in enumerate(zip(dsts, want)):
+                c.copy(Site.A if i % 2 else Site.B, d_, w)
+                if i == 1:
+                    c.flush()  # a barrier: the step's second segment starts past the first
+        dev.synchronize()
+        for d_, w in zip(dsts, want):
+            assert np.array_equal(dev.to_host(d_), w)
+    assert problems == []
+    # inline segments went through the launcher, the others through scatter()
+    assert len(fake.launches) == c.stats.modes["inline"]
+    assert c.stats.segments == 8
+    if mode in ("auto", "inline"):  # at most 20 KB a segment: carried whole
+        assert len(fake.launches) == 8
+    if mode in ("mapped", "dma"):
+        assert fake.launches == []
+    c.close()
