@@ -156,8 +156,6 @@ step host_ratio 60 "$PY" bench/host_ratio.py --steps 1000 --json "$work/bench/ho
 # issue 15: the graph feed's mailbox node against per-step parameter updates and
 # today's separate inline launch (GPU periods behind a stall, host us per step)
 step graph_feed 45 "$PY" bench/probes/graph_feed.py --n 32 --json "$work/bench/graph_feed.json"
-# the node's grid (fixed at capture) against the step's ~33 blocks of work
-step graph_feed_blocks 60 bash -c "for b in 16 32 128; do echo \"== blocks \$b\"; \"$PY\" bench/probes/graph_feed.py --n 32 --blocks \$b --launches 200 | grep -E '^(none|inline|feed)'; done"
 for ex in examples/*.py; do
     [[ -f "$ex" ]] || continue
     [[ $(basename "$ex") == hf_continuous_batching.py ]] && continue # its own steps below
