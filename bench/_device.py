@@ -769,6 +769,46 @@ def host_us(ctx, step, reps: int, warmup: int) -> list[float]:
     return out
 
 
+def host_passes(ctx, contenders: list, reps: int, warmup: int) -> tuple[list, list]:
+    """Host samples of several contenders, taken in two passes: in order, then reversed.
+
+    The lent machine's host speeds up or slows down during a run (run 34: a chained
+    ``copy_`` cost 6.0 µs a copy early in the run and 3.6 later), so contenders timed one
+    after another would each see another host. Half the repetitions go in each pass,
+    the second in reverse order, so a steady drift weighs on every contender alike.
+    Each contender's copier counters restart first, and count exactly these steps.
+
+    Parameters
+    ----------
+    ctx : Context
+    contenders : list of Contender
+    reps, warmup : int
+        Timed and untimed repetitions per contender, over both passes.
+
+    Returns
+    -------
+    samples : list of list of float
+        Per contender (in the order given), host µs of each timed step (``reps``).
+    ops : list
+        Per contender, stream operations per step (simulated device; None on a GPU).
+    """
+    samples: list = [[] for _ in contenders]
+    ops: list = [0] * len(contenders)
+    for c in contenders:
+        if c.copier is not None:
+            c.copier.stats.reset()
+    first = reps // 2
+    order = list(range(len(contenders)))
+    for pass_order, n, warm in ((order, first, warmup), (order[::-1], reps - first, 0)):
+        for i in pass_order:
+            ops0 = ctx.ops if ctx.kind == "sim" else 0
+            samples[i].extend(host_us(ctx, contenders[i].step, n, warm))
+            if ctx.kind == "sim":
+                ops[i] += ctx.ops - ops0
+    per = [o / (reps + warmup) if ctx.kind == "sim" else None for o in ops]
+    return samples, per
+
+
 def held_gpu_us(ctx: GpuContext, step, reps: int, warmup: int = 3) -> list[float]:
     """GPU microseconds of one step's work, enqueued behind a spin kernel.
 
@@ -801,7 +841,15 @@ def held_gpu_us(ctx: GpuContext, step, reps: int, warmup: int = 3) -> list[float
     return out
 
 
-def measure(ctx, contender: Contender, reps: int, warmup: int, gpu: bool = True) -> dict:
+def measure(
+    ctx,
+    contender: Contender,
+    reps: int,
+    warmup: int,
+    gpu: bool = True,
+    host: list | None = None,
+    ops: float | None = None,
+) -> dict:
     """Host time, work ops and (on a GPU) held GPU time of one contender's step.
 
     Parameters
@@ -812,6 +860,12 @@ def measure(ctx, contender: Contender, reps: int, warmup: int, gpu: bool = True)
         Timed and untimed repetitions, for each of the two measurements.
     gpu : bool
         Also measure held GPU time (on a GPU context).
+    host : list of float, optional
+        Host samples already taken (:func:`host_passes`): the host loop is not run
+        again, and the copier's counters are those of the steps that took them.
+    ops : float, optional
+        With ``host``, on the simulated device: the stream operations those steps
+        enqueued, per step.
 
     Returns
     -------
@@ -822,15 +876,15 @@ def measure(ctx, contender: Contender, reps: int, warmup: int, gpu: bool = True)
     """
     notes = []
     copier = contender.copier
-    if copier is not None:
-        copier.stats.reset()
-    ops0 = ctx.ops if ctx.kind == "sim" else None
-    host = host_us(ctx, contender.step, reps, warmup)
+    if host is None:
+        if copier is not None:
+            copier.stats.reset()
+        ops0 = ctx.ops if ctx.kind == "sim" else None
+        host = host_us(ctx, contender.step, reps, warmup)
+        if ops0 is not None:
+            ops = (ctx.ops - ops0) / (reps + warmup)
     res = {"host_us": summarize(host), "gpu_us": None, "notes": notes}
-    if ops0 is not None:
-        res["stream_ops_per_step"] = (ctx.ops - ops0) / (reps + warmup)
-    else:
-        res["stream_ops_per_step"] = None
+    res["stream_ops_per_step"] = ops if ctx.kind == "sim" else None
     res["work_ops_per_step"] = contender.work_ops(reps + warmup)
     if copier is not None:
         st = copier.stats

@@ -13,7 +13,9 @@ buffer per input, cucopy with nothing merged, and cucopy ``dma``, ``mapped`` and
 
 Measured:
 - host µs per copy: wall time of issuing the step / N, the stream drained first
-  (no hold), median and p10-p90 over ``--reps``;
+  (no hold), median and p10-p90 over ``--reps``, taken for all contenders of an N in
+  two passes, the second in reverse order (the host's drift during a run weighs on
+  every contender alike);
 - GPU µs per step: CUDA events around the step, enqueued while a spin kernel stalls
   the stream, so the interval is the step's operations running back to back, without
   the host's launch gaps (GPU only);
@@ -95,13 +97,28 @@ def run(ctx, n_list, reps: int, warmup: int, progress=None, contenders=None, see
         }
         progress.write(f"{NAME}: N={n}: {total} bytes in {n} inputs (16 B-8 KiB, seed {seed})")
         wl = devmod.Workload(ctx, mix, seed)
+        built = []
         for cls in classes:
-            notes = []
-            c = devmod.build(cls, ctx, wl, notes)
+            notes: list = []
+            built.append((cls, devmod.build(cls, ctx, wl, notes), notes))
+        live = [c for _, c, _ in built if c is not None]
+        host: dict = {}
+        ops: dict = {}
+        try:
+            # every contender's host time in two passes, the second reversed
+            # (devmod.host_passes: the host's drift during the run weighs on all alike)
+            samples, per_step = devmod.host_passes(ctx, live, reps, warmup)
+            host = {id(c): x for c, x in zip(live, samples)}
+            ops = {id(c): x for c, x in zip(live, per_step)}
+        except Exception as e:  # then each is timed on its own below
+            out["notes"].append(f"N={n}: host passes failed ({e!r}); contenders timed one by one")
+        for cls, c, notes in built:
             row = {"contender": cls.name, "n": n, "total_bytes": total, "verified": c is not None}
             if c is not None:
                 try:
-                    r = devmod.measure(ctx, c, reps, warmup)
+                    r = devmod.measure(
+                        ctx, c, reps, warmup, host=host.get(id(c)), ops=ops.get(id(c))
+                    )
                     r["host_us_per_copy"] = common.summarize(
                         [x / n for x in r["host_us"]["samples"]]
                     )

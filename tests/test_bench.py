@@ -346,3 +346,23 @@ def test_the_source_digest_covers_the_compiled_twins(tmp_path):
     (tmp_path / "cucopy" / "_core.c").write_text("int f(void) { return 2; }\n")
     assert source_digest(root=tmp_path) != before
     assert source_digest(root=tmp_path, suffixes=DIGEST_SUFFIXES_V1) == old_rule
+
+
+def test_host_passes_time_every_contender_in_order_then_reversed():
+    # the host's drift during a run must weigh on every contender alike: half the
+    # repetitions in order, half reversed; warm-up only before the first pass
+    from types import SimpleNamespace
+
+    from bench import _device as devmod
+
+    log = []
+    ctx = SimpleNamespace(kind="gpu", sync=lambda: None)
+
+    def contender(name):
+        return SimpleNamespace(copier=None, step=lambda: log.append(name))
+
+    a, b, c = contender("a"), contender("b"), contender("c")
+    samples, ops = devmod.host_passes(ctx, [a, b, c], reps=5, warmup=1)
+    assert "".join(log) == "aaa" + "bbb" + "ccc" + "ccc" + "bbb" + "aaa"
+    assert [len(x) for x in samples] == [5, 5, 5]
+    assert ops == [None, None, None]
