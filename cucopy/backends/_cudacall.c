@@ -152,6 +152,21 @@ static PyObject *Driver_kernels(Driver *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* the n unsigned integer arguments of a call into v; -1 (an exception set) when
+ * their count or one of them is wrong */
+static int ull_args(PyObject *const *args, Py_ssize_t nargs, int n, unsigned long long *v,
+                    const char *usage) {
+    if (nargs != n) {
+        PyErr_SetString(PyExc_TypeError, usage);
+        return -1;
+    }
+    for (int i = 0; i < n; i++) {
+        v[i] = PyLong_AsUnsignedLongLong(args[i]);
+        if (v[i] == (unsigned long long)-1 && PyErr_Occurred()) return -1;
+    }
+    return 0;
+}
+
 /* is_capturing(stream) -> int: the capture status (0 none, 1 active, 2 invalidated),
  * or -CUresult when the query failed */
 static PyObject *Driver_is_capturing(Driver *self, PyObject *arg) {
@@ -190,15 +205,9 @@ static int carried_impl(void *drv, unsigned long long nblocks, unsigned long lon
 }
 
 static PyObject *Driver_carried(Driver *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 5) {
-        PyErr_SetString(PyExc_TypeError, "carried(nblocks, stream, seg, host, nbytes)");
-        return NULL;
-    }
     unsigned long long v[5];
-    for (int i = 0; i < 5; i++) {
-        v[i] = PyLong_AsUnsignedLongLong(args[i]);
-        if (v[i] == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
-    }
+    if (ull_args(args, nargs, 5, v, "carried(nblocks, stream, seg, host, nbytes)") < 0)
+        return NULL;
     return PyLong_FromLong(
         carried_impl(self, v[0], v[1], v[2], (const void *)(uintptr_t)v[3], (size_t)v[4]));
 }
@@ -222,15 +231,8 @@ static PyObject *Driver_launcher(Driver *self, PyObject *unused) {
 
 /* scatter(nblocks, stream, seg) -> CUresult: the kernel that reads the segment at seg */
 static PyObject *Driver_scatter(Driver *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "scatter(nblocks, stream, seg)");
-        return NULL;
-    }
     unsigned long long v[3];
-    for (int i = 0; i < 3; i++) {
-        v[i] = PyLong_AsUnsignedLongLong(args[i]);
-        if (v[i] == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
-    }
+    if (ull_args(args, nargs, 3, v, "scatter(nblocks, stream, seg)") < 0) return NULL;
     if (v[0] == 0 || v[0] > 0x7fffffffULL || !self->scatter) return PyLong_FromLong(-1);
     if (!same_context(self)) return PyLong_FromLong(OTHER_CONTEXT);
     uint64_t seg = v[2];
