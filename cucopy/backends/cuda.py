@@ -733,7 +733,8 @@ class CudaBackend(Backend):
                 return status != 0
         if _getDevice() != self.device:
             return self._on_device(self.is_capturing, stream)
-        fast = self._fast
+        # the compiled call once: a bound one that answered < 0 would again (CuPy reports)
+        fast = self._fast if bound is None else None
         if fast is not None:
             status = fast.is_capturing(stream)  # < 0: failed; CuPy's call reports it
             if status >= 0:
