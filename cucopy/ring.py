@@ -289,10 +289,10 @@ class StagingRing:
         self._want += nbytes
 
     def _target(self, peak: int) -> int:
-        """The slot size for a window whose largest demand is ``peak``."""
-        if peak != self._peak:  # the window's largest demand rarely changes
-            self._peak = peak
-            self._target_size = max(self.capacity, _pow2(pack.align(peak, 4096)))
+        """The slot size for a window whose largest demand is ``peak``, kept for the next
+        step (:meth:`acquire` calls this only when ``peak`` changed: it rarely does)."""
+        self._peak = peak
+        self._target_size = max(self.capacity, _pow2(pack.align(peak, 4096)))
         return self._target_size
 
     def acquire(self) -> tuple[Slot, bool]:
