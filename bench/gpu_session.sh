@@ -166,23 +166,15 @@ done
 # one process per mode; rc 1 on any token mismatch, the targets are in the log and JSON
 # (--watchdog: every thread's stack in the log if a run hangs, before the step's timeout)
 if "$PY" -c "import transformers" 2>/dev/null; then
+    # --bound: also a variant that uploads nothing (its tokens are not compared), the
+    # floor under any upload path's step ratio in the same run; 7 rounds, rotated
     for mode in async sync; do
-        step "hf_$mode" 75 env PYTHONPATH=. "$PY" examples/hf_continuous_batching.py \
-            --mode "$mode" --watchdog 65 --json "$work/bench/hf_continuous_batching-$mode.json"
+        step "hf_$mode" 110 env PYTHONPATH=. "$PY" examples/hf_continuous_batching.py \
+            --mode "$mode" --bound --pairs 7 --watchdog 100 \
+            --json "$work/bench/hf_continuous_batching-$mode.json"
     done
-    # where the routed upload's host time goes (cProfile in the engine's own thread)
-    step hf_upload_profile 60 env PYTHONPATH=. "$PY" bench/probes/hf_upload_profile.py --mode async --pairs 2
-    # the segment through a DMA upload or read mapped, not carried in the launch's
-    # parameters: a launch carrying kilobytes measured ~30 us in the engine's thread
-    for fm in dma mapped; do
-        step "hf_async_$fm" 60 env PYTHONPATH=. "$PY" examples/hf_continuous_batching.py --mode async \
-            --flush-mode "$fm" --watchdog 50 --json "$work/bench/hf_continuous_batching-async-$fm.json"
-    done
-    # both variants with one torch intra-op thread: do the engine's spinning CPU threads
-    # slow its own thread (rounds vary by +-40 % with torch's default)?
-    step hf_async_threads1 60 env PYTHONPATH=. "$PY" examples/hf_continuous_batching.py --mode async \
-        --threads 1 --watchdog 50 --json "$work/bench/hf_continuous_batching-async-threads1.json"
-    step hf_upload_profile_dma 60 env PYTHONPATH=. "$PY" bench/probes/hf_upload_profile.py --mode async --pairs 2 --flush-mode dma
+    # (the dma/mapped flush, one torch thread and the upload's cProfile ran in runs
+    # 31-33 and final7: bench/probes/hf_upload_profile.py, --flush-mode, --threads)
 else
     skip hf_async "transformers is not installed"
     skip hf_sync "transformers is not installed"

@@ -2,7 +2,7 @@
 
 Usage:
     python examples/hf_continuous_batching.py [--mode async|sync|both] [--requests 32]
-        [--new-tokens 64] [--pairs 5] [--json PATH]
+        [--new-tokens 64] [--pairs 5] [--bound] [--json PATH]
     python examples/hf_continuous_batching.py --cpu [--requests 8] [--new-tokens 8]  # no GPU
 
 A real engine written elsewhere, run unmodified and routed through cucopy: Hugging Face
@@ -40,7 +40,10 @@ The script runs ``generate_batch`` once to build and warm the engine (kept as a
 persistent manager), then ``--pairs`` rounds of one run per variant, the order rotated
 each round (AB, BA, ...): ``unmodified``, ``routed`` and, in sync mode on a GPU,
 ``twin_plain`` (the routed step's host twin uploaded with a plain ``copy_``/``fill_``
-per region: what the twin alone gains, apart from cucopy). Every run is checked token
+per region: what the twin alone gains, apart from cucopy). ``--bound`` adds
+``no_upload``: the routed step with every upload left out (stale device inputs, so its
+tokens are not compared), the floor under any upload path's step ratio in that run,
+printed beside the target. Every other run is checked token
 for token against the first; then one routed run in cucopy's check mode. It prints per-step host time (the median interval between
 generation steps, and the time in the upload method), wall time per run,
 ``copier.stats``, and ``match:`` (or ``MISMATCH:`` lines and exit status 1).
@@ -596,6 +599,40 @@ class PlainCopier:
         """Nothing to release."""
 
 
+class NullCopier(PlainCopier):
+    """Uploads nothing: the ``no_upload`` variant (``--bound``), a bound, not an engine.
+
+    Its route still runs everything around the upload (the engine's host preparation,
+    on the twin in sync mode, and the scalar accumulators), but ``copy`` and
+    ``fill_tail`` only count, so the device keeps stale inputs and the tokens differ
+    (they are not compared). Its step time is what any upload path, free of host and
+    GPU cost, could give this engine in the same run: the floor under a target ratio.
+    """
+
+    def __init__(self, stream=None, backend=None):
+        super().__init__(stream, backend, record=False)
+
+    @contextlib.contextmanager
+    def step(self):
+        """One step: nothing is issued."""
+        self.steps += 1
+        yield
+
+    def copy(self, site, dst, src, **_) -> bool:
+        """Counted, not issued."""
+        self._counts[site] += 1
+        return True
+
+    def fill_tail(self, site, dst, start, value, **_) -> bool:
+        """Counted, not issued."""
+        self._counts[site] += 1
+        return True
+
+
+#: ``raw_min_bytes`` that no mask block reaches: a route whose every copy goes to its copier
+NO_RAW = 1 << 62
+
+
 # -- timing --------------------------------------------------------------------------------------
 
 
@@ -735,8 +772,11 @@ class Session:
         return not bad
 
     def variants(self) -> list:
-        """``unmodified``, ``routed`` and, in sync mode on a GPU, ``twin_plain``."""
+        """``unmodified``, ``routed``, in sync mode on a GPU ``twin_plain``, with ``--bound``
+        ``no_upload``."""
         extra = ["twin_plain"] if self.mode == "sync" and not self.args.cpu else []
+        if self.args.bound:
+            extra.append("no_upload")
         return ["unmodified", "routed", *extra]
 
     def run(self) -> dict:
@@ -763,10 +803,14 @@ class Session:
                 routes["twin_plain"] = CucopyRoute(
                     processor, plain, raw_min_bytes=args.raw_min_bytes
                 )
+            if "no_upload" in variants:
+                null = NullCopier(route.stream, backend=route.copier.backend)
+                routes["no_upload"] = CucopyRoute(processor, null, raw_min_bytes=NO_RAW)
             for name, r in routes.items():  # each route's first run (first steps), untimed
                 with r:
                     tokens, _, errors = self.generate()
-                self.compare(tokens, f"{name} warm-up run")
+                if name != "no_upload":  # stale inputs: its tokens differ
+                    self.compare(tokens, f"{name} warm-up run")
                 self.errors.extend(f"{self.mode} {name} warm-up: {e}" for e in errors)
             clock.take()
             for rnd in range(args.pairs):
@@ -775,7 +819,11 @@ class Session:
                     with routes.get(variant) or contextlib.nullcontext():
                         tokens, wall, errors = self.generate()
                     intervals, hooks = clock.take()
-                    ok = self.compare(tokens, f"{variant} run (round {rnd})")
+                    ok = (
+                        None
+                        if variant == "no_upload"
+                        else self.compare(tokens, f"{variant} run (round {rnd})")
+                    )
                     self.errors.extend(f"{self.mode} {variant} (round {rnd}): {e}" for e in errors)
                     self.runs.append(
                         {
@@ -785,7 +833,7 @@ class Session:
                             "steps": len(intervals) + 1,
                             "step_ms": intervals,
                             "upload_us": hooks,
-                            "tokens_identical": ok and not errors,
+                            "tokens_identical": None if ok is None else ok and not errors,
                         }
                     )
             checked = self.check_run(route)
@@ -818,6 +866,34 @@ class Session:
         self.errors.extend(f"{self.mode} check mode: {e}" for e in errors)
         return {"ran": True, "tokens_identical": ok and not errors, "errors": errors[:5]}
 
+    def bound(self, null_ratios) -> dict | None:
+        """With ``--bound``: the floor under any routed step ratio, two ways, per round.
+
+        ``step_ratio``: the ``no_upload`` run's median step over the unmodified run's.
+        ``from_hooks``: the unmodified median step less what the upload method's median
+        time drops to when it uploads nothing, over that step (the upload's own share,
+        from the method's own timer: steadier than the whole step). Each a median over
+        the rounds, with every round's value.
+        """
+        if null_ratios is None:
+            return None
+        from_hooks = []
+        for rnd in range(self.args.pairs):
+            runs = {r["variant"]: r for r in self.runs if r["pair"] == rnd}
+            u, n = runs.get("unmodified"), runs.get("no_upload")
+            if not (u and n and u["step_ms"] and u["upload_us"] and n["upload_us"]):
+                continue
+            step_us = statistics.median(u["step_ms"]) * 1e3
+            saved = statistics.median(u["upload_us"]) - statistics.median(n["upload_us"])
+            from_hooks.append((step_us - saved) / step_us)
+        med = statistics.median
+        return {
+            "step_ratio": med(null_ratios) if null_ratios else None,
+            "step_ratio_per_round": null_ratios,
+            "from_hooks": med(from_hooks) if from_hooks else None,
+            "from_hooks_per_round": from_hooks,
+        }
+
     def summary(self, copier_s, checked, stats, stats_dict, raw, hook_name) -> dict:
         """The mode's result: per variant, every raw sample and its statistics."""
         from bench._common import summarize
@@ -845,6 +921,7 @@ class Session:
         target = {"async": 0.95, "sync": 0.85}[self.mode]
         ratio = statistics.median(ratios["routed"]) if ratios["routed"] else None
         cfg = self.cb
+        bound = self.bound(ratios.get("no_upload"))
         return {
             "mode": self.mode,
             "upload_method": hook_name,
@@ -870,6 +947,7 @@ class Session:
             "step_ratio": ratio,
             "target_ratio": target,
             "target_met": None if ratio is None or self.args.cpu else ratio <= target,
+            "bound": bound,
             "check_mode": checked,
             "tokens_identical": not self.errors,
             "stats": stats_dict,
@@ -907,6 +985,14 @@ def report(res: dict, device_name: str) -> None:
             met = {True: "MET", False: "NOT MET", None: "n/a (--cpu)"}[res["target_met"]]
             line += f"; target <= {res['target_ratio']}: {met}"
         print(line)
+    b = res.get("bound")
+    if b and b["step_ratio"] is not None:
+        hooks = "-" if b["from_hooks"] is None else f"{b['from_hooks']:.3f}"
+        print(
+            f"  bound (no upload at all, tokens not compared): step ratio "
+            f"{b['step_ratio']:.3f}, from the upload method's own time {hooks} "
+            f"(target {res['target_ratio']})"
+        )
     c = res["check_mode"]
     if c["ran"]:
         print(
@@ -955,6 +1041,12 @@ def main(argv=None) -> int:
     p.add_argument("--flush-mode", default="auto", choices=("auto", "dma", "mapped", "inline"))
     p.add_argument("--raw-min-bytes", type=int, default=RAW_MIN_BYTES)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--bound",
+        action="store_true",
+        help="also time a no_upload variant (uploads nothing; tokens not compared): "
+        "the floor under any upload path's step ratio",
+    )
     p.add_argument(
         "--threads",
         type=int,

@@ -242,6 +242,17 @@ def test_sync_seam_broken_is_caught(ex, engine, site, buffer):
     assert any(buffer in d for d in differences), differences
 
 
+def test_null_copier_routes_every_site_and_writes_nothing(ex, engine):
+    # --bound's no_upload variant: the route runs, every site is asked, nothing lands
+    null = ex.NullCopier()
+    route = ex.CucopyRoute(engine.processor, null, raw_min_bytes=ex.NO_RAW)
+    _, differences = routed_run(engine, route)
+    assert null.steps == len(differences) > 3
+    assert set(null._counts) == set(ex.Site) - {ex.Site.CARRY_OVER, ex.Site.BLOCK_TABLE}
+    assert not route.raw and not null.calls
+    assert any(differences)  # the device kept stale inputs
+
+
 def test_sync_route_needs_a_copier_on_the_cpu(ex, engine):
     with pytest.raises(ValueError, match="runs on the CPU; pass copier=PlainCopier"):
         ex.CucopyRoute(engine.processor)
@@ -434,6 +445,7 @@ def test_script_on_the_cpu(tmp_path):
             "1",
             "--max-batch-tokens",
             "32",
+            "--bound",
             "--json",
             str(out),
         ],
@@ -450,8 +462,15 @@ def test_script_on_the_cpu(tmp_path):
     assert data["match"] is True
     res = data["modes"]["sync"]
     assert res["tokens_identical"] is True
-    assert [r["variant"] for r in res["runs"]] == ["unmodified", "routed"]
+    assert [r["variant"] for r in res["runs"]] == ["unmodified", "routed", "no_upload"]
     assert all(r["step_ms"] and r["upload_us"] for r in res["runs"])
     assert res["variants"]["routed"]["step_ms"]["median"] > 0
+    # --bound: the no_upload variant ran, its tokens were not compared, and its floor
+    # is reported beside the target
+    assert [r["tokens_identical"] for r in res["runs"]] == [True, True, None]
+    bound = res["bound"]
+    assert bound["step_ratio"] > 0 and len(bound["step_ratio_per_round"]) == 1
+    assert bound["from_hooks"] > 0 and len(bound["from_hooks_per_round"]) == 1
+    assert "bound (no upload at all" in proc.stdout, report
     assert data["environment"]["transformers"] == "5.17.0"
     assert ceil(res["step_ratio"] * 1000) > 0
