@@ -1,7 +1,8 @@
 """A transformer-like decode step captured once as a CUDA graph, its inputs fed through cucopy.
 
 Usage:
-    python examples/torch_decode_loop.py [--steps 200] [--batch 32] [--check] [--json PATH]
+    python examples/torch_decode_loop.py [--steps 200] [--batch 32] [--rounds 5] [--check]
+        [--json PATH]
     python examples/torch_decode_loop.py --sim [--steps 5] [--check]      # CPU only
 
 The decode step reads four static input buffers: token ids, positions, sequence
@@ -30,7 +31,10 @@ of the four input buffers. The script checks that the logits of the two loops ar
 bit-identical (``torch.equal``) with the plain loop's and that the input buffers hold exactly what a host
 mirror of the writes says, and exits 1 otherwise. It prints the median step time of
 each loop (GPU time between CUDA events recorded at the start and end of each step,
-and the host time to issue the step), the wall time per step, and ``copier.stats``.
+and the host time to issue the step), the wall time per step, and ``copier.stats``. On CUDA it then times the three loops
+again as an engine runs them, with nothing recorded (no clones, snapshots or events),
+``--rounds`` rounds with the order rotated each round, and prints each loop's median
+wall time per step and its ratio to the plain loop's.
 
 With ``--sim`` it runs on cucopy's simulated device (no GPU, torch CPU): the buffers
 live in simulated device memory, the uploads take the same cucopy path, and the graph
@@ -48,6 +52,7 @@ synchronizes, so the timings are not meaningful then).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.metadata
 import json
 import platform
@@ -390,6 +395,45 @@ def cuda_loop(name, shape, args, bufs, stream, issue, graph, logits, replay=None
     return LoopResult(name, outs, [s.cpu().numpy() for s in snaps], gpu_us, host_us, wall)
 
 
+def timed_loop(shape: Shape, args, stream, issue, replay) -> float:
+    """Wall us per step of ``args.steps`` steps as an engine runs them: new inputs, the
+    uploads, the replay; nothing recorded (no clones, snapshots or events)."""
+    with torch.cuda.stream(stream):
+        stream.synchronize()
+        t0 = time.perf_counter_ns()
+        for step in range(args.steps):
+            issue(make_inputs(shape, step, args.seed))
+            replay()
+        stream.synchronize()
+        return (time.perf_counter_ns() - t0) / 1e3 / args.steps
+
+
+def timed_rounds(shape: Shape, args, stream, loops: dict) -> dict:
+    """``args.rounds`` rounds of :func:`timed_loop` per loop, the order rotated each round.
+
+    ``loops`` maps a name to ``(issue, replay, context)``; ``context()`` is entered
+    around each timed loop (the copier's ``activate()``). Returns every round's wall
+    time per loop and, per loop other than ``plain``, its median ratio to ``plain``
+    over the rounds (each round's loops ran back to back on the same host).
+    """
+    names = list(loops)
+    walls: dict = {n: [] for n in names}
+    for rnd in range(args.rounds):
+        k = rnd % len(names)
+        for name in names[k:] + names[:k]:
+            issue, replay, context = loops[name]
+            with context():
+                walls[name].append(timed_loop(shape, args, stream, issue, replay))
+    ratios = {n: [w / p for w, p in zip(walls[n], walls["plain"])] for n in names if n != "plain"}
+    return {
+        "rounds": args.rounds,
+        "wall_us_per_step": walls,
+        "median_wall_us_per_step": {n: round(statistics.median(w), 2) for n, w in walls.items()},
+        "ratio_to_plain": {n: round(statistics.median(r), 4) for n, r in ratios.items()},
+        "ratio_to_plain_per_round": ratios,
+    }
+
+
 def run_cuda(args, shape: Shape):
     if not torch.cuda.is_available():
         sys.exit("torch_decode_loop: torch sees no CUDA device (use --sim to run on the CPU)")
@@ -407,7 +451,10 @@ def run_cuda(args, shape: Shape):
     graph, logits = capture(w, bufs, shape)
     stream = torch.cuda.Stream(device)  # the copies and the replays go on this one stream
 
-    with cc.DeviceCopier(plan=PLAN, stream=stream, device=index, backend="cuda") as copier:
+    with (
+        cc.DeviceCopier(plan=PLAN, stream=stream, device=index, backend="cuda") as copier,
+        cc.DeviceCopier(plan=PLAN, stream=stream, device=index, backend="cuda") as fed,
+    ):
 
         def issue_cucopy(inp):
             with copier.step():
@@ -424,12 +471,11 @@ def run_cuda(args, shape: Shape):
         copier.stats.reset()
         with copier.activate():
             merged = cuda_loop("cucopy", shape, args, bufs, stream, issue_cucopy, graph, logits)
-        stats = copier.stats
+        stats = copier.stats.as_dict(), str(copier.stats)
 
-    plain = cuda_loop("plain", shape, args, bufs, stream, uploader, graph, logits)
+        plain = cuda_loop("plain", shape, args, bufs, stream, uploader, graph, logits)
 
-    # the embedded mode: the same uploads, landed by the scatter node inside the graph
-    with cc.DeviceCopier(plan=PLAN, stream=stream, device=index, backend="cuda") as fed:
+        # the embedded mode: the same uploads, landed by the scatter node inside the graph
         fgraph, flogits, feed = capture_fed(w, bufs, shape, fed, stream)
 
         def issue_fed(inp):
@@ -445,12 +491,41 @@ def run_cuda(args, shape: Shape):
             embedded = cuda_loop(
                 "graph", shape, args, bufs, stream, issue_fed, fgraph, flogits, replay
             )
-        fstats = fed.stats
+        fstats = fed.stats.as_dict(), str(fed.stats)
+
+        # the verified loops above ran one after another; these time the same loops the
+        # way an engine runs them, rotated round by round (the lent host drifts)
+        timed = None
+        if args.rounds:
+            timed = timed_rounds(
+                shape,
+                args,
+                stream,
+                {
+                    "cucopy": (issue_cucopy, graph.replay, copier.activate),
+                    "plain": (uploader, graph.replay, contextlib.nullcontext),
+                    "graph": (issue_fed, replay, fed.activate),
+                },
+            )
     env = {
         "device": torch.cuda.get_device_name(device),
         "torch_cuda": torch.version.cuda,
+        "timed": timed,
     }
-    return merged, plain, stats, env, embedded, fstats
+    return merged, plain, _Stats(*stats), env, embedded, _Stats(*fstats)
+
+
+class _Stats:
+    """A copier's stats as they stood after its verified loop (printed, and in the JSON)."""
+
+    def __init__(self, as_dict: dict, text: str):
+        self._dict, self._text = as_dict, text
+
+    def as_dict(self) -> dict:
+        return self._dict
+
+    def __str__(self) -> str:
+        return self._text
 
 
 # -- the simulated device -------------------------------------------------------------------
@@ -568,10 +643,17 @@ def main(argv=None) -> int:
         default="random",
         help="when the simulated streams run their work (default random)",
     )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=5,
+        help="CUDA: rounds of timed loops (nothing recorded, order rotated) after the "
+        "verified ones (default 5; 0: none)",
+    )
     p.add_argument("--json", metavar="PATH", help="write the timings and environment here")
     args = p.parse_args(argv)
-    if args.steps < 1 or args.batch < 1:
-        p.error("--steps and --batch must be >= 1")
+    if args.steps < 1 or args.batch < 1 or args.rounds < 0:
+        p.error("--steps and --batch must be >= 1, --rounds >= 0")
     if args.check:
         check.CHECK_MODE = True
     shape = Shape(batch=args.batch)
@@ -598,6 +680,15 @@ def main(argv=None) -> int:
             f"  {r.name:7} {gpu:22} host {s['median_host_us']:9.1f} us/step (medians)  "
             f"wall {s['wall_us_per_step']:9.1f} us/step"
         )
+    timed = extra.pop("timed", None)
+    if timed:
+        walls, ratios = timed["median_wall_us_per_step"], timed["ratio_to_plain"]
+        print(
+            f"  timed ({timed['rounds']} rounds, nothing recorded, order rotated): wall us/step "
+            + ", ".join(f"{n} {w:.1f}" for n, w in walls.items())
+            + "; to plain: "
+            + ", ".join(f"{n} {r:.3f}" for n, r in ratios.items())
+        )
     print(stats)
     print("graph (embedded):", estats)
     ok = not errors
@@ -621,6 +712,7 @@ def main(argv=None) -> int:
             "cucopy": merged.summary(),
             "plain": plain.summary(),
             "graph": embedded.summary(),
+            "timed": timed,
             "stats": stats.as_dict(),
             "graph_stats": estats.as_dict(),
             "match": ok,

@@ -192,6 +192,17 @@ def test_torch_decode_loop_gpu(extra, tmp_path):
     assert all(not s["fallback"] for s in sites.values()), sites  # everything merged
     assert data["graph"]["median_gpu_us"] > 0
     assert data["graph_stats"]["modes"]["graph"] == data["graph_stats"]["steps"]
+    # the stats are the verified loops' own, not the timed rounds' after them
+    steps = int(extra[1])
+    assert data["stats"]["steps"] == steps and data["graph_stats"]["steps"] == steps
+    timed = data["timed"]  # then 5 timed rounds of each loop, rotated
+    assert timed["rounds"] == 5
+    assert {n: len(w) for n, w in timed["wall_us_per_step"].items()} == dict.fromkeys(
+        ("cucopy", "plain", "graph"), 5
+    )
+    assert set(timed["ratio_to_plain"]) == {"cucopy", "graph"}
+    assert all(r > 0 for r in timed["ratio_to_plain"].values())
+    assert "timed (5 rounds" in proc.stdout
 
 
 @pytest.mark.gpu
