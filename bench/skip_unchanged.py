@@ -198,28 +198,53 @@ def run(ctx, n: int, fractions, reps: int, warmup: int, progress=None, seed: int
     skipped = set()
     for frac in fractions:
         changed = min(n, math.ceil(frac * n))
+        built = []  # (cls, contender or None, notes), every contender checked first
         for cls in classes:
-            row = {"contender": cls.name, "changed": frac, "changed_inputs": changed}
-            notes = []
             if cls.name in skipped:
                 progress.advance(f"{NAME} {cls.name} skipped")
                 continue
+            notes: list = []
+            c = None
             try:
                 c = cls(ctx, wl, changed)
+                why = c.check()
+                if why is not None:
+                    raise RuntimeError(f"correctness check failed: {why}")
             except devmod.Unavailable as e:
                 notes.append(f"skipped: {e}")
                 skipped.add(cls.name)
-                c = None
             except Exception as e:
-                notes.append(f"skipped: failed to set up: {e!r}")
-                c = None
+                notes.append(
+                    f"skipped: failed to set up: {e!r}"
+                    if c is None
+                    else f"measurement failed: {e!r}"
+                )
+                if c is not None:
+                    c.close()
+                    c = None
+            built.append((cls, c, notes))
+        live = [c for _, c, _ in built if c is not None]
+        for c in live:
+            c.steps = c.issued = 0
+        host: dict = {}
+        ops: dict = {}
+        try:
+            # every contender's host time in two passes, the second reversed
+            # (devmod.host_passes: the host's drift during the run weighs on all alike)
+            samples, per_step = devmod.host_passes(ctx, live, reps, warmup)
+            host = {id(c): x for c, x in zip(live, samples)}
+            ops = {id(c): x for c, x in zip(live, per_step)}
+        except Exception as e:  # then each is timed on its own below
+            out["notes"].append(
+                f"changed={frac:g}: host passes failed ({e!r}); contenders timed one by one"
+            )
+        for cls, c, notes in built:
+            row = {"contender": cls.name, "changed": frac, "changed_inputs": changed}
             if c is not None:
                 try:
-                    why = c.check()
-                    if why is not None:
-                        raise RuntimeError(f"correctness check failed: {why}")
-                    c.steps = c.issued = 0
-                    r = devmod.measure(ctx, c, reps, warmup)
+                    r = devmod.measure(
+                        ctx, c, reps, warmup, host=host.get(id(c)), ops=ops.get(id(c))
+                    )
                     notes.extend(r.pop("notes"))
                     row.update(r)
                     row["issued_per_step"] = c.issued / max(1, c.steps)
@@ -229,7 +254,7 @@ def run(ctx, n: int, fractions, reps: int, warmup: int, progress=None, seed: int
                     c.close()
             row["notes"] = notes
             out["notes"].extend(f"changed={frac:g}: {cls.name}: {m}" for m in notes)
-            if c is not None:
+            if c is not None or any(m.startswith("measurement failed") for m in notes):
                 out["results"].append(row)
             progress.advance(f"{NAME} {cls.name} changed={frac:g}")
     if ctx.kind == "sim":
