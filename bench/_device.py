@@ -453,6 +453,48 @@ class CucopyAutoPinned(CucopyAuto):
         self._pairs = list(zip(wl.dsts, wl.pinned))
 
 
+class OneLaunch(Contender):
+    """One carried scatter launch of a single 4-byte copy: the floor under any merged step.
+
+    No ``begin()``, no staging, no Python beyond one backend call: the launch a merged
+    step of any N ends with, through the same compiled call (``CudaBackend.scatter``
+    carrying the whole segment). A step of copies through one launch cannot cost the
+    host less than this row in the same run, whatever N is.
+    """
+
+    name = "one_launch"
+    description = "one carried scatter launch of one 4-byte copy (the floor of a merged step)"
+    writes = False  # a baseline: it writes its own scratch word, not the step's inputs
+
+    def __init__(self, ctx, wl):
+        super().__init__(ctx, wl)
+        if ctx.kind != "gpu":
+            raise Unavailable("needs a GPU")
+        from cucopy import pack
+
+        self._be = be = ctx.backend
+        self._dst = ctx.empty(4, "int32")
+        data = pack.align(pack.HEADER_BYTES + pack.DESC_BYTES)
+        self._total = total = data + pack.ALIGN
+        self._seg, seg = ctx.pinned(total, "uint8")
+        seg[data : data + 4] = np.frombuffer(np.int32(7).tobytes(), np.uint8)
+        desc = (ctx.dptr(self._dst), data, 0, 4, 4, 4, 1, pack.KIND_H2D, 0, 0)
+        self._nblocks = pack.encode(seg, [desc], data, total)
+        self._host = ctx.hptr(seg)
+        self._stream = ctx.handle
+        if not be.carry_capacities():
+            raise Unavailable("no carried scatter kernel on this device")
+        be.scatter(self._host, self._nblocks, self._stream, True, total, self._host)
+        if int(ctx.to_numpy(self._dst)[0]) != 7:
+            raise Unavailable("one_launch: the launch did not land its copy")
+
+    def step(self):
+        self._be.scatter(self._host, self._nblocks, self._stream, True, self._total, self._host)
+
+    def work_ops(self, steps):
+        return 1.0
+
+
 class CucopyGraphFeed(CucopyContender):
     """The step's merged copies landed by a scatter node inside the replayed graph.
 
@@ -700,6 +742,7 @@ ALL = (
     CucopyInline,
     CucopyAuto,
     CucopyAutoPinned,
+    OneLaunch,
 )
 
 

@@ -22,6 +22,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 # (contender, label) in the README's order; the bold row is the default mode
 ROWS = (
     ("none", "no copies (the floor)"),
+    ("one_launch", "one launch of one 4-byte copy, nothing staged (a merged step's floor)"),
     ("torch_chain", "chained torch `copy_(non_blocking=True)`"),
     ("memcpy_chain", "chained `cudaMemcpyAsync`"),
     ("torch_foreach", "`torch._foreach_copy_`"),

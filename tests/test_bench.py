@@ -366,3 +366,28 @@ def test_host_passes_time_every_contender_in_order_then_reversed():
     assert "".join(log) == "aaa" + "bbb" + "ccc" + "ccc" + "bbb" + "aaa"
     assert [len(x) for x in samples] == [5, 5, 5]
     assert ops == [None, None, None]
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_one_launch_lands_its_copy_every_step():
+    from cucopy.backends.cuda import gpu_available
+
+    if not gpu_available():
+        pytest.skip("needs a CUDA GPU")
+    import numpy as np
+
+    from bench import _common as common
+    from bench import _device as devmod
+
+    ctx = devmod.make_context(False, 0)
+    try:
+        assert ctx.kind == "gpu"
+        wl = devmod.Workload(ctx, common.decode_mix(8), 0)
+        c = devmod.OneLaunch(ctx, wl)  # its constructor checks the first launch landed
+        ctx.zero([c._dst])
+        for _ in range(3):
+            c.step()
+        assert np.array_equal(ctx.to_numpy(c._dst), np.array([7, 0, 0, 0], np.int32))
+        assert c.work_ops(3) == 1.0
+    finally:
+        ctx.close()
