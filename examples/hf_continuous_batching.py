@@ -370,6 +370,8 @@ class CucopyRoute:
         self.copier = copier
         self.raw_min_bytes = int(raw_min_bytes)
         self.raw = Counter()  # raw copies by site
+        #: per upload: ns in begin(), staging (raw mask copies aside), raw mask copies, flush()
+        self.phases: list = []
         if self.is_async:
             self._targets = [(pair, _Buffers(pair.host_io, pair.device_io)) for pair in io.io_pairs]
         else:
@@ -453,37 +455,63 @@ class CucopyRoute:
             the graph indexes it whole).
         reset_outputs : bool
             Also zero ``output_ids[:, :b]`` on the device (sync: the engine's step does).
+
+        Each upload appends its phases to :attr:`phases` (ns in ``begin()``, in staging
+        less the raw mask copies, in those copies, in ``flush()``).
         """
+        c = self.copier
+        clock = time.perf_counter_ns
+        t0 = clock()
+        step = c.step()
+        step.__enter__()  # begin(): as ``with c.step():``, timed phase by phase
+        t1 = clock()
+        try:
+            mask_ns = self._stage(bufs, carry_over, reset_outputs)
+        except BaseException:
+            if not step.__exit__(*sys.exc_info()):
+                raise
+            return
+        t2 = clock()
+        step.__exit__(None, None, None)  # flush()
+        t3 = clock()
+        self.phases.append((t1 - t0, t2 - t1 - mask_ns, mask_ns, t3 - t2))
+
+    def _stage(self, bufs: _Buffers, carry_over: bool, reset_outputs: bool) -> int:
+        """Stage one step's regions (see :meth:`upload`); returns the ns the raw mask
+        copies took."""
         h = bufs.host
         q, kv = h.num_q_tokens, h.max_kv_read
         b = min(q, h.max_requests_per_batch)
         c = self.copier
-        with c.step():
-            c.copy(Site.BULK, bufs.bulk(q + 1), bufs.h_bulk[:, : q + 1])
-            if carry_over and q + 1 < bufs.tokens:
-                c.copy(Site.CARRY_OVER, bufs.carry_tail(q + 1), bufs.h_bulk[6, q + 1 : bufs.tokens])
-            if reset_outputs:
-                for r, row in enumerate(bufs.d_out):
-                    c.fill_tail(Site.OUTPUT_RESET, bufs.head(("out", r), row, b), 0, 0)
-            if h.use_block_table:
-                for g, table in enumerate(bufs.d_table):
-                    c.copy(Site.BLOCK_TABLE, bufs.head(("table", g), table, b), bufs.h_table[g, :b])
-            else:
-                for g, (dw, dr) in enumerate(zip(bufs.d_write, bufs.d_read)):
-                    nw, nr = h.true_write_sizes[g], h.true_read_sizes[g]
-                    if nw:
-                        c.copy(Site.WRITE_INDEX, bufs.head(("w", g), dw, nw), bufs.h_write[g, :nw])
-                    c.fill_tail(Site.WRITE_PAD, bufs.head(("w", g), dw, q), nw, bufs.write_trash)
-                    if nr:
-                        c.copy(Site.READ_INDEX, bufs.head(("r", g), dr, nr), bufs.h_read[g, :nr])
-                    c.fill_tail(Site.READ_PAD, bufs.head(("r", g), dr, q + kv), nr, bufs.read_trash)
-            for h_mask, h_np, d_mask in bufs.masks:
-                self._mask(h_mask, h_np, d_mask, q, q + kv)
+        c.copy(Site.BULK, bufs.bulk(q + 1), bufs.h_bulk[:, : q + 1])
+        if carry_over and q + 1 < bufs.tokens:
+            c.copy(Site.CARRY_OVER, bufs.carry_tail(q + 1), bufs.h_bulk[6, q + 1 : bufs.tokens])
+        if reset_outputs:
+            for r, row in enumerate(bufs.d_out):
+                c.fill_tail(Site.OUTPUT_RESET, bufs.head(("out", r), row, b), 0, 0)
+        if h.use_block_table:
+            for g, table in enumerate(bufs.d_table):
+                c.copy(Site.BLOCK_TABLE, bufs.head(("table", g), table, b), bufs.h_table[g, :b])
+        else:
+            for g, (dw, dr) in enumerate(zip(bufs.d_write, bufs.d_read)):
+                nw, nr = h.true_write_sizes[g], h.true_read_sizes[g]
+                if nw:
+                    c.copy(Site.WRITE_INDEX, bufs.head(("w", g), dw, nw), bufs.h_write[g, :nw])
+                c.fill_tail(Site.WRITE_PAD, bufs.head(("w", g), dw, q), nw, bufs.write_trash)
+                if nr:
+                    c.copy(Site.READ_INDEX, bufs.head(("r", g), dr, nr), bufs.h_read[g, :nr])
+                c.fill_tail(Site.READ_PAD, bufs.head(("r", g), dr, q + kv), nr, bufs.read_trash)
+        mask_ns = 0
+        for h_mask, h_np, d_mask in bufs.masks:
+            mask_ns += self._mask(h_mask, h_np, d_mask, q, q + kv)
+        return mask_ns
 
-    def _mask(self, h_mask, h_np, d_mask, rows: int, cols: int) -> None:
-        """Mask ``[:rows, :cols]``: raw when large and pinned (see Notes), else merged."""
+    def _mask(self, h_mask, h_np, d_mask, rows: int, cols: int) -> int:
+        """Mask ``[:rows, :cols]``: raw when large and pinned (see Notes), else merged.
+        Returns the ns a raw copy took (0 when merged)."""
         if rows == 0 or cols == 0:
-            return
+            return 0
+        t0 = time.perf_counter_ns()
         it = d_mask.element_size()
         width = d_mask.shape[1]
         if self._raw_ok and rows * cols * it >= self.raw_min_bytes:
@@ -504,8 +532,9 @@ class CucopyRoute:
                     c.stream,
                 )
             self.raw[Site.MASK] += 1
-        else:
-            self.copier.copy(Site.MASK, d_mask[:rows, :cols], h_np[:rows, :cols])
+            return time.perf_counter_ns() - t0
+        self.copier.copy(Site.MASK, d_mask[:rows, :cols], h_np[:rows, :cols])
+        return 0
 
     def stats_text(self) -> str:
         """``copier.stats`` and the raw copies, for printing."""
@@ -813,6 +842,7 @@ class Session:
                     self.compare(tokens, f"{name} warm-up run")
                 self.errors.extend(f"{self.mode} {name} warm-up: {e}" for e in errors)
             clock.take()
+            route.phases.clear()
             for rnd in range(args.pairs):
                 k = rnd % len(variants)
                 for variant in variants[k:] + variants[:k]:
@@ -836,6 +866,7 @@ class Session:
                             "tokens_identical": None if ok is None else ok and not errors,
                         }
                     )
+            phases = list(route.phases)  # the timed routed runs' uploads
             checked = self.check_run(route)
             stats = route.stats_text()
             if "twin_plain" in routes:
@@ -849,7 +880,9 @@ class Session:
                     r.close()
             finally:
                 self.model.destroy_cached_continuous_batching_manager()
-        return self.summary(copier_s, checked, stats, stats_dict, dict(route.raw), clock.hook_name)
+        res = self.summary(copier_s, checked, stats, stats_dict, dict(route.raw), clock.hook_name)
+        res["routed_phases_us"] = phase_stats(phases)
+        return res
 
     def check_run(self, route) -> dict:
         """One routed run with cucopy's check mode on (each flush verifies the plan)."""
@@ -957,6 +990,16 @@ class Session:
         }
 
 
+PHASES = ("begin", "staging", "mask_raw_copy", "flush")
+
+
+def phase_stats(phases: list) -> dict:
+    """Per phase of the routed upload (:data:`PHASES`), µs statistics over the uploads."""
+    from bench._common import summarize
+
+    return {name: summarize([p[i] / 1e3 for p in phases]) for i, name in enumerate(PHASES)}
+
+
 def report(res: dict, device_name: str) -> None:
     """Print one mode's result."""
     v = res["variants"]
@@ -985,6 +1028,12 @@ def report(res: dict, device_name: str) -> None:
             met = {True: "MET", False: "NOT MET", None: "n/a (--cpu)"}[res["target_met"]]
             line += f"; target <= {res['target_ratio']}: {met}"
         print(line)
+    ph = res.get("routed_phases_us")
+    if ph and ph["begin"]["median"] is not None:
+        print(
+            "  routed upload by phase (median us): "
+            + ", ".join(f"{n.replace('_', ' ')} {ph[n]['median']:.1f}" for n in PHASES)
+        )
     b = res.get("bound")
     if b and b["step_ratio"] is not None:
         hooks = "-" if b["from_hooks"] is None else f"{b['from_hooks']:.3f}"

@@ -472,5 +472,12 @@ def test_script_on_the_cpu(tmp_path):
     assert bound["step_ratio"] > 0 and len(bound["step_ratio_per_round"]) == 1
     assert bound["from_hooks"] > 0 and len(bound["from_hooks_per_round"]) == 1
     assert "bound (no upload at all" in proc.stdout, report
+    # the routed uploads' phases, one sample per timed routed upload
+    phases = res["routed_phases_us"]
+    assert set(phases) == {"begin", "staging", "mask_raw_copy", "flush"}
+    uploads = sum(len(r["upload_us"]) for r in res["runs"] if r["variant"] == "routed")
+    assert all(len(p["samples"]) == uploads for p in phases.values())
+    assert phases["staging"]["median"] > 0
+    assert "routed upload by phase" in proc.stdout, report
     assert data["environment"]["transformers"] == "5.17.0"
     assert ceil(res["step_ratio"] * 1000) > 0
