@@ -7,7 +7,9 @@ Question: after the compiled staging core (issue 13), how much of a step's host 
 per step (``begin``, ``flush``: backend calls) and how much per copy, on the GPU's host?
 Times each phase of a step of N merged copies, and the same step as a ``step()``
 block, for torch CUDA destinations from NumPy and from pinned torch sources and for
-CuPy destinations (sim arrays with ``--sim``); prints the host cost of each torch
+CuPy destinations (sim arrays with ``--sim``); the first variant also with cold caches
+(64 MiB written before each step, as an engine's own work between two uploads leaves
+them), and the same copies chained with ``copy_`` warm and cold; prints the host cost of each torch
 attribute a destination's fingerprint reads, then the top of a cProfile of whole
 steps. Host time only. Answers: ``bench/results/2026-12-01-h200-run23/step_phases.log``
 (the first run with it) and every GPU session's since.
@@ -93,7 +95,9 @@ def main(argv=None) -> None:
         _positions(args, label, c, triples)
         if profiled is None:
             profiled = (c, triples)
+            _phases(args, label, c, triples, cold=True)
     if not args.sim:
+        _chain(args, sizes, srcs)
         print("torch attribute reads (a lambda call each):")
         _attributes()
         _flush_sizes(args)
@@ -110,6 +114,39 @@ def main(argv=None) -> None:
     pstats.Stats(pr).sort_stats("tottime").print_stats(25)
     print(c.stats)
     c.close()
+
+
+def _chain(args, sizes, srcs) -> None:
+    """The same N copies as chained ``copy_(non_blocking=True)`` from pinned tensors, host
+    us a step after a drained stream, warm and with cold caches (as ``_phases`` makes them)."""
+    import torch
+
+    stream = torch.cuda.Stream()
+    dsts = [torch.zeros(int(k), dtype=torch.int32, device="cuda") for k in sizes]
+    pinned = [torch.from_numpy(x).pin_memory() for x in srcs]
+    pairs = list(zip(dsts, pinned))
+    clock = time.perf_counter
+    with torch.cuda.stream(stream):
+        for cold in (False, True):
+            scratch = np.empty(COLD_BYTES, np.uint8) if cold else None
+            steps = args.steps // 5 if cold else args.steps
+            ts = []
+            for i in range(steps + 200):
+                if scratch is not None:
+                    scratch.fill(i & 255)
+                stream.synchronize()
+                t0 = clock()
+                for d, x in pairs:
+                    d.copy_(x, non_blocking=True)
+                t1 = clock()
+                if i >= 200:
+                    ts.append(t1 - t0)
+            med = statistics.median(ts) * 1e6
+            how = f"cold caches ({COLD_BYTES >> 20} MiB written)" if cold else "warm"
+            print(
+                f"N={args.n} chained torch copy_ from pinned, each after a drained stream, "
+                f"{how}: {med:.1f} us a step = {med / args.n:.2f} us/copy"
+            )
 
 
 def _flush_sizes(args) -> None:
@@ -166,15 +203,26 @@ def _positions(args, label, c, triples) -> None:
     print(f"  {label}: ns per copy by place (timer included): {head} ... rest median {rest:.0f}")
 
 
-def _phases(args, label, c, triples, drained: bool = False) -> None:
+#: bytes written before each step of the ``cold`` variant: past the last-level cache
+COLD_BYTES = 64 << 20
+
+
+def _phases(args, label, c, triples, drained: bool = False, cold: bool = False) -> None:
     """Median host us of begin(), the copies and flush(), steps back to back, or (``drained``)
-    each issued after the stream has run everything before it, as the bench times steps."""
+    each issued after the stream has run everything before it, as the bench times steps,
+    or (``cold``) drained and after :data:`COLD_BYTES` of other memory were written, as an
+    engine's step finds the caches after its own work (a fifth of the steps)."""
     copy = c.copy
     sync = c._backend.synchronize
     stream = c._stream
     tb, tc, tf, tw = [], [], [], []
     clock = time.perf_counter
-    for i in range(args.steps + 200):
+    scratch = np.empty(COLD_BYTES, np.uint8) if cold else None
+    steps = args.steps // 5 if cold else args.steps
+    drained = drained or cold
+    for i in range(steps + 200):
+        if scratch is not None:
+            scratch.fill(i & 255)
         if drained:
             sync(stream)
         t0 = clock()
@@ -187,6 +235,8 @@ def _phases(args, label, c, triples, drained: bool = False) -> None:
         t3 = clock()
         if drained:
             sync(stream)
+            if scratch is not None:
+                scratch.fill(i & 255)
             t3b = clock()
         else:
             t3b = t3
@@ -203,6 +253,8 @@ def _phases(args, label, c, triples, drained: bool = False) -> None:
     us = 1e6
     whole = (med(tb) + med(tc) + med(tf)) * us
     how = ", each after a drained stream" if drained else ""
+    if cold:
+        how = f", each after a drained stream and {COLD_BYTES >> 20} MiB written (cold caches)"
     print(
         f"N={args.n} {label}{how}: begin {med(tb) * us:.2f} us, copies "
         f"{med(tc) * us / args.n:.3f} us each, flush {med(tf) * us:.2f} us; whole step "
