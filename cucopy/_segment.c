@@ -604,7 +604,7 @@ typedef struct {
  * object's address holds a strong reference to the entry last found there; a hit
  * costs one compare. A stale slot (the address reused by another object) is caught
  * as any stale entry is: its weak reference no longer names x (cached_valid). */
-#define FRONT_SIZE 512
+#define FRONT_SIZE 2048
 typedef struct {
     PyObject *key[FRONT_SIZE]; /* identity only, not owned */
     PyObject *val[FRONT_SIZE]; /* owned Cached */
