@@ -2759,6 +2759,262 @@ static int buffer_section_init(PyObject *m) {
     return 0;
 }
 
+/* -- SlotCore and RingCore: the ring's per-step state, and its common step -------
+ *
+ * ``cucopy.ring.Slot`` and ``cucopy.ring.StagingRing`` subclass these (their Python
+ * twins, ``ring.PySlotCore`` and ``ring.PyRingCore``, hold the same fields as plain
+ * attributes). The fields are the ones a step reads and writes; everything else
+ * stays in the Python classes. ``RingCore.advance_fast`` is the common step of
+ * ``DeviceCopier._advance`` with ``StagingRing.acquire`` in one call: the previous
+ * slot left clean (its event recorded at the flush, or none needed), the next one
+ * idle (not recorded, or its event complete; no temporaries), sized for the demand
+ * the ring last sized for. It checks all of that
+ * before changing anything, and returns None when any of it fails: the Python path
+ * then runs, whole. On the GPU's host the two Python frames cost ~1.5 us a step,
+ * several times that when an engine's own work has left the caches cold. */
+
+typedef struct {
+    PyObject_HEAD
+    /* Python objects, as a ``__slots__`` class holds them: the Python code that reads
+     * and writes these fields on every other path keeps its specialized attribute
+     * access (a C integer member would build an int at every read) */
+    PyObject *size, *bottom, *top, *recorded, *dirty, *temps, *frees;
+} SlotCore;
+
+static int slotcore_traverse(SlotCore *o, visitproc visit, void *arg) {
+    Py_VISIT(o->size); Py_VISIT(o->bottom); Py_VISIT(o->top); Py_VISIT(o->recorded);
+    Py_VISIT(o->dirty); Py_VISIT(o->temps); Py_VISIT(o->frees);
+    return 0;
+}
+
+static int slotcore_clear(SlotCore *o) {
+    Py_CLEAR(o->size); Py_CLEAR(o->bottom); Py_CLEAR(o->top); Py_CLEAR(o->recorded);
+    Py_CLEAR(o->dirty); Py_CLEAR(o->temps); Py_CLEAR(o->frees);
+    return 0;
+}
+
+static void slotcore_dealloc(SlotCore *o) {
+    PyObject_GC_UnTrack(o);
+    slotcore_clear(o);
+    Py_TYPE(o)->tp_free((PyObject *)o);
+}
+
+static PyMemberDef slotcore_members[] = {
+    {"size", T_OBJECT_EX, offsetof(SlotCore, size), 0, "Bytes of each buffer."},
+    {"bottom", T_OBJECT_EX, offsetof(SlotCore, bottom), 0, "Next free byte for segments."},
+    {"top", T_OBJECT_EX, offsetof(SlotCore, top), 0, "Lowest byte used by eager snapshots."},
+    {"recorded", T_OBJECT_EX, offsetof(SlotCore, recorded), 0, "Its event is recorded."},
+    {"dirty", T_OBJECT_EX, offsetof(SlotCore, dirty), 0, "Work reading it was enqueued since."},
+    {"temps", T_OBJECT_EX, offsetof(SlotCore, temps), 0, "Temporaries the slot's step used."},
+    {"frees", T_OBJECT_EX, offsetof(SlotCore, frees), 0, "Buffers freed when it is reused."},
+    {NULL},
+};
+
+static PyTypeObject SlotCoreType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "cucopy._segment.SlotCore",
+    .tp_basicsize = sizeof(SlotCore),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "A ring slot's per-step fields (compiled twin of cucopy.ring.PySlotCore).",
+    .tp_traverse = (traverseproc)slotcore_traverse,
+    .tp_clear = (inquiry)slotcore_clear,
+    .tp_dealloc = (destructor)slotcore_dealloc,
+    .tp_members = slotcore_members,
+    .tp_new = PyType_GenericNew,
+};
+
+static PyObject *s_backend, *s_event_query;
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *current, *slots, *events, *demand;
+    PyObject *index, *want, *acquires, *target_size, *peak; /* ints, as Python holds them */
+    long long fast_advances;
+} RingCore;
+
+static int ringcore_traverse(RingCore *o, visitproc visit, void *arg) {
+    Py_VISIT(o->current); Py_VISIT(o->slots); Py_VISIT(o->events); Py_VISIT(o->demand);
+    Py_VISIT(o->index); Py_VISIT(o->want); Py_VISIT(o->acquires); Py_VISIT(o->target_size);
+    Py_VISIT(o->peak);
+    return 0;
+}
+
+static int ringcore_clear(RingCore *o) {
+    Py_CLEAR(o->current); Py_CLEAR(o->slots); Py_CLEAR(o->events); Py_CLEAR(o->demand);
+    Py_CLEAR(o->index); Py_CLEAR(o->want); Py_CLEAR(o->acquires); Py_CLEAR(o->target_size);
+    Py_CLEAR(o->peak);
+    return 0;
+}
+
+static void ringcore_dealloc(RingCore *o) {
+    PyObject_GC_UnTrack(o);
+    ringcore_clear(o);
+    Py_TYPE(o)->tp_free((PyObject *)o);
+}
+
+/* what wm_push(w, v) would leave as the window's largest value, w unchanged */
+static int64_t wm_peek(const WindowMax *w, int64_t v) {
+    Py_ssize_t cap = w->cap, len = w->len;
+    if (!len) return v;
+    Py_ssize_t last = (w->head + len - 1) % cap;
+    while (len && w->val[last] <= v) {
+        len--;
+        last = last ? last - 1 : cap - 1;
+    }
+    if (!len) return v;
+    if (w->idx[w->head] <= w->n - w->window) /* the oldest leaves the window */
+        return len > 1 ? w->val[(w->head + 1) % cap] : v;
+    return w->val[w->head];
+}
+
+static inline int empty_list(PyObject *x) {
+    return x != NULL && PyList_CheckExact(x) && PyList_GET_SIZE(x) == 0;
+}
+
+/* an exact int field's value: 1 read, 0 not one (then the Python path runs) */
+static inline int int_field(PyObject *x, long long *out) {
+    if (x == NULL || !PyLong_CheckExact(x)) return 0;
+    int overflow;
+    *out = PyLong_AsLongLongAndOverflow(x, &overflow);
+    return !overflow && !(*out == -1 && PyErr_Occurred());
+}
+
+static inline long long floordiv(long long a, long long b) {
+    long long q = a / b;
+    return (a % b != 0 && ((a < 0) != (b < 0))) ? q - 1 : q;
+}
+
+static PyObject *ringcore_advance_fast(RingCore *r, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "advance_fast(seg, tables, cap_for, cap)");
+        return NULL;
+    }
+    long long cap_for, cap;
+    if (!int_field(args[2], &cap_for) || !int_field(args[3], &cap)) {
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    if (Py_TYPE(args[0]) != &SegmentType || Py_TYPE(args[1]) != &WindowMaxType ||
+        !r->demand || Py_TYPE(r->demand) != &WindowMaxType || !r->slots ||
+        !PyList_CheckExact(r->slots))
+        Py_RETURN_NONE;
+    Segment *seg = (Segment *)args[0];
+    WindowMax *tables = (WindowMax *)args[1], *demand = (WindowMax *)r->demand;
+    /* the previous slot: left clean (nothing to record) */
+    if (!r->current || !PyObject_TypeCheck(r->current, &SlotCoreType)) Py_RETURN_NONE;
+    SlotCore *prev = (SlotCore *)r->current;
+    long long pbottom, psize, ptop, want, index, peak, target, size, acquires;
+    if (prev->dirty != Py_False || !int_field(prev->bottom, &pbottom) ||
+        !int_field(prev->size, &psize) || !int_field(prev->top, &ptop) ||
+        !int_field(r->want, &want) || !int_field(r->index, &index) ||
+        !int_field(r->peak, &peak) || !int_field(r->target_size, &target) ||
+        !int_field(r->acquires, &acquires)) {
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    /* the next slot: idle, no temporaries, sized for the demand the ring sized for */
+    Py_ssize_t n = PyList_GET_SIZE(r->slots);
+    if (n == 0) Py_RETURN_NONE;
+    index = index + 1 >= n ? 0 : index + 1;
+    PyObject *slotobj = PyList_GET_ITEM(r->slots, index);
+    if (!PyObject_TypeCheck(slotobj, &SlotCoreType)) Py_RETURN_NONE;
+    SlotCore *slot = (SlotCore *)slotobj;
+    if ((slot->recorded != Py_False && slot->recorded != Py_True) || slot->dirty == NULL ||
+        !empty_list(slot->temps) || !empty_list(slot->frees) || !int_field(slot->size, &size)) {
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    int64_t used = want + pbottom + psize - ptop;
+    if (wm_peek(demand, used) != peak || size < target || size > 2 * target) Py_RETURN_NONE;
+    if (slot->recorded == Py_True) {
+        /* its step's work recorded an event: idle once that completed (the query has no
+         * side effect; not yet complete, the Python path queries again and waits) */
+        if (!r->events || !PyList_CheckExact(r->events) || PyList_GET_SIZE(r->events) != n)
+            Py_RETURN_NONE;
+        PyObject *backend = PyObject_GetAttr((PyObject *)r, s_backend);
+        PyObject *done = backend ? PyObject_CallMethodOneArg(backend, s_event_query,
+                                                             PyList_GET_ITEM(r->events, index))
+                                 : NULL;
+        Py_XDECREF(backend);
+        if (done != Py_True) {
+            Py_XDECREF(done);
+            PyErr_Clear();
+            Py_RETURN_NONE;
+        }
+        Py_DECREF(done);
+    }
+    PyObject *acq = PyLong_FromLongLong(acquires + 1);
+    PyObject *idx = acq ? PyLong_FromLongLong(index) : NULL;
+    PyObject *zero = idx ? PyLong_FromLong(0) : NULL;
+    if (!zero) {
+        Py_XDECREF(acq);
+        Py_XDECREF(idx);
+        return NULL;
+    }
+    /* StagingRing.acquire, its common case */
+    wm_push(demand, used);
+    Py_SETREF(r->want, Py_NewRef(zero));
+    Py_SETREF(r->acquires, acq);
+    Py_SETREF(r->index, idx);
+    Py_SETREF(slot->bottom, zero);
+    Py_SETREF(slot->top, Py_NewRef(slot->size));
+    Py_SETREF(slot->recorded, Py_NewRef(Py_False));
+    Py_SETREF(slot->dirty, Py_NewRef(Py_False));
+    Py_SETREF(r->current, Py_NewRef(slotobj));
+    /* DeviceCopier._advance: bind, then the table reservation */
+    PyObject *b = seg_bind(seg, slotobj);
+    if (!b) return NULL;
+    Py_DECREF(b);
+    wm_push(tables, seg->peak);
+    int64_t wanted = tables->val[tables->head];
+    seg->peak = 0;
+    if (size != cap_for) {
+        cap_for = size;
+        cap = floordiv(floordiv(size * 3, 4) - HEADER_BYTES, DESC_BYTES);
+    }
+    if (wanted > cap) wanted = cap;
+    seg->reserve = wanted > 16 ? wanted : 16;
+    r->fast_advances++;
+    return Py_BuildValue("(OLL)", slotobj, cap_for, cap);
+}
+
+static PyMethodDef ringcore_methods[] = {
+    {"advance_fast", (PyCFunction)(void (*)(void))ringcore_advance_fast, METH_FASTCALL,
+     "advance_fast(seg, tables, cap_for, cap) -> (slot, cap_for, cap), or None for the "
+     "Python path (nothing changed)."},
+    {NULL},
+};
+
+static PyMemberDef ringcore_members[] = {
+    {"current", T_OBJECT, offsetof(RingCore, current), 0, "The slot of the open step."},
+    {"_slots", T_OBJECT_EX, offsetof(RingCore, slots), 0, NULL},
+    {"_events", T_OBJECT_EX, offsetof(RingCore, events), 0, NULL},
+    {"_demand", T_OBJECT_EX, offsetof(RingCore, demand), 0, NULL},
+    {"_index", T_OBJECT_EX, offsetof(RingCore, index), 0, NULL},
+    {"_want", T_OBJECT_EX, offsetof(RingCore, want), 0, NULL},
+    {"acquires", T_OBJECT_EX, offsetof(RingCore, acquires), 0, "Slots acquired so far."},
+    {"_target_size", T_OBJECT_EX, offsetof(RingCore, target_size), 0, NULL},
+    {"_peak", T_OBJECT_EX, offsetof(RingCore, peak), 0, NULL},
+    {"fast_advances", T_LONGLONG, offsetof(RingCore, fast_advances), READONLY,
+     "Steps advanced by advance_fast."},
+    {NULL},
+};
+
+static PyTypeObject RingCoreType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "cucopy._segment.RingCore",
+    .tp_basicsize = sizeof(RingCore),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "The staging ring's per-step state and its common step (compiled twin of "
+              "cucopy.ring.PyRingCore).",
+    .tp_traverse = (traverseproc)ringcore_traverse,
+    .tp_clear = (inquiry)ringcore_clear,
+    .tp_dealloc = (destructor)ringcore_dealloc,
+    .tp_members = ringcore_members,
+    .tp_methods = ringcore_methods,
+    .tp_new = PyType_GenericNew,
+};
+
 static struct PyModuleDef moduledef = {
     PyModuleDef_HEAD_INIT, "cucopy._segment",
     "The open segment, compiled (twin of cucopy.segment.PySegment).", -1, NULL,
@@ -2767,7 +3023,8 @@ static struct PyModuleDef moduledef = {
 PyMODINIT_FUNC PyInit__segment(void) {
     if (PyType_Ready(&EntryType) < 0 || PyType_Ready(&CachedType) < 0 ||
         PyType_Ready(&SegmentType) < 0 || PyType_Ready(&FastCopyType) < 0 ||
-        PyType_Ready(&FastRouteType) < 0 || PyType_Ready(&WindowMaxType) < 0)
+        PyType_Ready(&FastRouteType) < 0 || PyType_Ready(&WindowMaxType) < 0 ||
+        PyType_Ready(&SlotCoreType) < 0 || PyType_Ready(&RingCoreType) < 0)
         return NULL;
     s_copy = PyUnicode_InternFromString("copy");
     if (!s_copy) return NULL;
@@ -2776,6 +3033,9 @@ PyMODINIT_FUNC PyInit__segment(void) {
     s_unchanged = PyUnicode_InternFromString("unchanged");
     s_on_drop = PyUnicode_InternFromString("on_drop");
     if (!s_seg || !s_after_barrier || !s_unchanged || !s_on_drop) return NULL;
+    s_backend = PyUnicode_InternFromString("backend");
+    s_event_query = PyUnicode_InternFromString("event_query");
+    if (!s_backend || !s_event_query) return NULL;
     s_array = PyUnicode_InternFromString("array");
     s_top = PyUnicode_InternFromString("top");
     s_bottom = PyUnicode_InternFromString("bottom");
@@ -2797,7 +3057,9 @@ PyMODINIT_FUNC PyInit__segment(void) {
         PyModule_AddObjectRef(m, "Entry", (PyObject *)&EntryType) < 0 ||
         PyModule_AddObjectRef(m, "FastCopy", (PyObject *)&FastCopyType) < 0 ||
         PyModule_AddObjectRef(m, "FastRoute", (PyObject *)&FastRouteType) < 0 ||
-        PyModule_AddObjectRef(m, "WindowMax", (PyObject *)&WindowMaxType) < 0) {
+        PyModule_AddObjectRef(m, "WindowMax", (PyObject *)&WindowMaxType) < 0 ||
+        PyModule_AddObjectRef(m, "SlotCore", (PyObject *)&SlotCoreType) < 0 ||
+        PyModule_AddObjectRef(m, "RingCore", (PyObject *)&RingCoreType) < 0) {
         Py_DECREF(m);
         return NULL;
     }

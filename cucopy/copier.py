@@ -405,6 +405,11 @@ class DeviceCopier:
 
     def _advance(self) -> None:
         ring = self._ring
+        fast = ring.advance_fast(self._seg, self._tables, self._cap_for, self._cap)
+        if fast is not None:
+            # the common step, compiled (ring.PyRingCore.advance_fast): the same as below
+            self._slot, self._cap_for, self._cap = fast
+            return
         prev = ring.current
         if prev is not None and prev.dirty:
             ring.record(self._stream)

@@ -19,9 +19,11 @@ import collections
 import threading
 
 from . import pack
+from .segment import RingCore as _CompiledRingCore
+from .segment import SlotCore as _CompiledSlotCore
 from .segment import WindowMax as _CompiledWindowMax
 
-__all__ = ["StagingRing", "Slot", "WindowMax", "PyWindowMax"]
+__all__ = ["StagingRing", "Slot", "WindowMax", "PyWindowMax", "PySlotCore", "PyRingCore"]
 
 # Demand is remembered over this many steps before a slot shrinks back.
 DEMAND_WINDOW = 64
@@ -162,7 +164,64 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-class Slot:
+class PySlotCore:
+    """A slot's per-step fields (the pure-Python reference; :class:`Slot` subclasses it).
+
+    ``cucopy._segment.SlotCore`` is its compiled twin: the same fields as C members,
+    which the compiled :meth:`PyRingCore.advance_fast` reads and writes directly.
+    """
+
+    __slots__ = ("size", "bottom", "top", "recorded", "dirty", "temps", "frees")
+
+
+class PyRingCore:
+    """The ring's per-step state (the pure-Python reference; :class:`StagingRing`
+    subclasses it).
+
+    ``cucopy._segment.RingCore`` is its compiled twin: ``current``, ``_slots``,
+    ``_events``, ``_demand``, ``_index``, ``_want``, ``acquires``, ``_target_size``
+    and ``_peak`` as C members, and an :meth:`advance_fast` that runs the common step
+    (``DeviceCopier._advance`` with :meth:`StagingRing.acquire`) in one call.
+    """
+
+    __slots__ = ()
+
+    @property
+    def fast_advances(self) -> int:
+        """Steps :meth:`advance_fast` took (always 0 here: it takes none)."""
+        return 0
+
+    def advance_fast(self, seg, tables, cap_for: int, cap: int):
+        """The common step in one call, or None for the Python path.
+
+        The compiled twin takes it when the previous slot is clean, the next one idle
+        (not recorded, or its event complete; no temporaries) and sized for the demand
+        the ring last sized for: it acquires the slot, binds ``seg`` to it and sets the table reservation
+        from ``tables`` as :meth:`cucopy.copier.DeviceCopier._advance` does, and
+        returns ``(slot, cap_for, cap)``. It checks everything before changing
+        anything. This reference always returns None: the Python path is the same
+        step.
+
+        Parameters
+        ----------
+        seg : Segment
+        tables : WindowMax
+        cap_for, cap : int
+            The slot size the table cap was computed for, and that cap.
+
+        Returns
+        -------
+        tuple or None
+        """
+        return None
+
+
+#: the per-step state's classes: compiled when the staging core is built
+SlotCore = PySlotCore if _CompiledSlotCore is None else _CompiledSlotCore
+RingCore = PyRingCore if _CompiledRingCore is None else _CompiledRingCore
+
+
+class Slot(SlotCore):  # type: ignore[misc,valid-type]
     """One pinned host buffer, its device staging twin and its event.
 
     Attributes
@@ -185,20 +244,7 @@ class Slot:
         while a slot is current), freed when the slot is reused.
     """
 
-    __slots__ = (
-        "pinned",
-        "staging",
-        "event",
-        "size",
-        "bottom",
-        "top",
-        "temps",
-        "frees",
-        "recorded",
-        "dirty",
-        "array",
-        "mv",
-    )
+    __slots__ = ("pinned", "staging", "event", "array", "mv")  # and SlotCore's
 
     def __init__(self, backend, size: int):
         self.pinned = backend.alloc_pinned(size)
@@ -238,7 +284,7 @@ class Slot:
         self.staging.close()
 
 
-class StagingRing:
+class StagingRing(RingCore):  # type: ignore[misc,valid-type]
     """``slots`` pinned buffers of ``capacity`` bytes each, reused in turn.
 
     Parameters

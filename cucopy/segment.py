@@ -779,6 +779,9 @@ FastCopy = None
 FastRoute = None
 #: ``cucopy.ring.WindowMax``'s compiled twin (None with the pure-Python segment)
 WindowMax = None
+#: ``cucopy.ring.PySlotCore`` and ``PyRingCore``'s compiled twins (None with the pure-Python segment)
+SlotCore = None
+RingCore = None
 if not os.environ.get("CUCOPY_PURE_PYTHON"):
     try:
         from . import _segment as _compiled
@@ -796,4 +799,6 @@ if not os.environ.get("CUCOPY_PURE_PYTHON"):
         FastCopy = _compiled.FastCopy
         FastRoute = _compiled.FastRoute
         WindowMax = _compiled.WindowMax
+        SlotCore = _compiled.SlotCore
+        RingCore = _compiled.RingCore
         IMPLEMENTATION = "compiled"

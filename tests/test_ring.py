@@ -538,3 +538,112 @@ def test_window_max_twins_agree_on_random_sequences(window):
                 got = [wm.max() for wm in wms]
             assert got == [max(ref)] * len(wms), (trial, v, got)
             assert [wm.max(default=-1) for wm in wms] == [max(ref)] * len(wms)
+
+
+# -- the ring's common step, compiled (RingCore.advance_fast) ------------------------------------
+
+
+def _ring_state(c) -> tuple:
+    """What a step leaves in the ring and the copier's table reservation."""
+    ring = c._ring
+    slots = ring._slots
+    return (
+        ring.index,
+        ring.acquires,
+        ring._want,
+        ring._peak,
+        ring._target_size,
+        ring._demand.max(),
+        tuple(None if s is None else (s.size, s.bottom, s.top, s.recorded) for s in slots),
+        ring.current is (slots[ring.index] if ring.index >= 0 else None),
+        c._seg.reserve,
+        c._cap_for,
+        c._cap,
+        c._tables.max(),
+    )
+
+
+def _program(c, dev, seed: int) -> list:
+    """Random steps (small and large, merged and eager, a discard, a copy outside a step):
+    the ring state after each, then every destination's bytes."""
+    rng = np.random.default_rng(seed)
+    a = dev.empty((64,), np.int32)
+    big = dev.empty((8192,), np.int32)
+    states = []
+    for i in range(120):
+        n = int(rng.choice([4, 16, 64, 2048, 8192]))
+        dst = a[:n] if n <= 64 else big[:n]
+        with c.step():
+            c.copy(Site.POS, dst, np.full(n, i, np.int32))
+            if rng.random() < 0.3:
+                c.copy(Site.PLAIN, a[32:48], np.full(16, -i, np.int32))
+            if rng.random() < 0.2:
+                c.fill_tail(Site.TAIL, a, 60, i)
+        if rng.random() < 0.05:
+            c.begin()
+            c.copy(Site.POS, a[:4], np.zeros(4, np.int32))
+            c.discard()
+        if rng.random() < 0.05:
+            c.copy(Site.PLAIN, a[:4], np.full(4, i, np.int32))  # outside a step
+        states.append(_ring_state(c))
+    return states
+
+
+@pytest.mark.parametrize("mode", ["inline", "mapped", "dma", "auto"])
+def test_the_compiled_ring_step_leaves_what_the_python_one_does(sim_env, mode):
+    from cucopy import ring
+
+    fast = sim_env.copier(PLAN, slots=3, capacity=4096, flush_mode=mode)
+    slow = sim_env.copier(PLAN, slots=3, capacity=4096, flush_mode=mode)
+    slow._ring.advance_fast = ring.PyRingCore.advance_fast.__get__(slow._ring)  # declines
+    got, want = _program(fast, sim_env.dev, 7), _program(slow, sim_env.dev, 7)
+    assert got == want
+    assert slow._ring.fast_advances == 0
+    if ring.RingCore is not ring.PyRingCore:
+        # the compiled twin took the steps whose next slot was idle: every one when the
+        # device runs work at once, some when it runs it late (slots still in flight)
+        assert fast._ring.fast_advances > (110 if sim_env.dev.policy == "eager" else 0)
+    fast.close()
+    slow.close()
+
+
+@pytest.mark.skipif(
+    __import__("cucopy.ring").ring.RingCore is __import__("cucopy.ring").ring.PyRingCore,
+    reason="the compiled staging core is not in use",
+)
+@pytest.mark.parametrize("why", ["dirty", "temps", "frees", "peak", "in_flight", "size"])
+def test_advance_fast_declines_without_changing_anything(sim_env, monkeypatch, why):
+    c = sim_env.copier(PLAN, slots=3, capacity=4096, flush_mode="mapped")
+    a = sim_env.dev.empty((16,), np.int32)
+    for i in range(5):
+        with c.step():
+            c.copy(Site.POS, a, np.full(16, i, np.int32))
+    ring = c._ring
+    c._backend.synchronize(c._stream)  # every slot idle: the next step would take it
+    taken = ring.fast_advances
+    c.begin()
+    c.flush()
+    assert ring.fast_advances == taken + 1
+    c._backend.synchronize(c._stream)
+    nxt = ring._slots[(ring.index + 1) % ring.slots]
+    if why == "dirty":
+        ring.current.dirty = True
+    elif why == "temps":
+        nxt.temps.append(object())
+    elif why == "frees":
+        nxt.frees.append(object())
+    elif why == "peak":
+        ring._peak = ring._peak + 1
+    elif why == "in_flight":
+        nxt.recorded = True
+        monkeypatch.setattr(ring.backend, "event_query", lambda event: False)
+    else:
+        nxt.size = ring._target_size * 4  # past twice the size the ring sized for
+    before, fast = _ring_state(c), ring.fast_advances
+    assert ring.advance_fast(c._seg, c._tables, c._cap_for, c._cap) is None
+    assert _ring_state(c) == before and ring.fast_advances == fast
+    for s in (nxt.temps, nxt.frees):
+        s.clear()
+    monkeypatch.undo()
+    nxt.size = ring._target_size
+    c.close()
