@@ -2779,17 +2779,18 @@ typedef struct {
      * and writes these fields on every other path keeps its specialized attribute
      * access (a C integer member would build an int at every read) */
     PyObject *size, *bottom, *top, *recorded, *dirty, *temps, *frees;
+    PyObject *base; /* the pinned buffer's device address (what a launch reads it at) */
 } SlotCore;
 
 static int slotcore_traverse(SlotCore *o, visitproc visit, void *arg) {
     Py_VISIT(o->size); Py_VISIT(o->bottom); Py_VISIT(o->top); Py_VISIT(o->recorded);
-    Py_VISIT(o->dirty); Py_VISIT(o->temps); Py_VISIT(o->frees);
+    Py_VISIT(o->dirty); Py_VISIT(o->temps); Py_VISIT(o->frees); Py_VISIT(o->base);
     return 0;
 }
 
 static int slotcore_clear(SlotCore *o) {
     Py_CLEAR(o->size); Py_CLEAR(o->bottom); Py_CLEAR(o->top); Py_CLEAR(o->recorded);
-    Py_CLEAR(o->dirty); Py_CLEAR(o->temps); Py_CLEAR(o->frees);
+    Py_CLEAR(o->dirty); Py_CLEAR(o->temps); Py_CLEAR(o->frees); Py_CLEAR(o->base);
     return 0;
 }
 
@@ -2807,6 +2808,7 @@ static PyMemberDef slotcore_members[] = {
     {"dirty", T_OBJECT_EX, offsetof(SlotCore, dirty), 0, "Work reading it was enqueued since."},
     {"temps", T_OBJECT_EX, offsetof(SlotCore, temps), 0, "Temporaries the slot's step used."},
     {"frees", T_OBJECT_EX, offsetof(SlotCore, frees), 0, "Buffers freed when it is reused."},
+    {"base", T_OBJECT_EX, offsetof(SlotCore, base), 0, "The pinned buffer's device address."},
     {NULL},
 };
 
@@ -3015,6 +3017,263 @@ static PyTypeObject RingCoreType = {
     .tp_new = PyType_GenericNew,
 };
 
+/* -- CopierCore: the copier's per-step fields, and begin()'s common case -----------
+ *
+ * ``cucopy.copier.DeviceCopier`` subclasses it (``copier.PyCopierCore`` is the Python
+ * twin: the same fields in ``__slots__``). ``_begin_fast()`` is ``begin()`` when
+ * nothing is unusual: the copier open and the step its thread's, nothing staged, no
+ * check mode, the stream not capturing (asked through ``_cap_query(_cap_arg)``, the
+ * backend's cheapest form of the query), and the ring's common step
+ * (``RingCore.advance_fast``) taken. It checks all of that before changing anything
+ * and returns False when any of it fails: ``begin()`` then runs its Python body,
+ * whole. It returns True when the step is open. */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *closed, *in_step, *owner, *seg, *checker, *feed, *feed_pending, *capturing;
+    PyObject *ring, *slot, *tables, *cap_for, *cap, *stepping, *stats, *cap_query, *cap_arg;
+    PyObject *inline_args; /* (launcher, stream handle, largest carry), or None */
+    long long fast_begins, fast_flushes;
+} CopierCore;
+
+#define COPIER_FIELDS(X) X(closed) X(in_step) X(owner) X(seg) X(checker) X(feed) \
+    X(feed_pending) X(capturing) X(ring) X(slot) X(tables) X(cap_for) X(cap) X(stepping) \
+    X(stats) X(cap_query) X(cap_arg) X(inline_args)
+
+static int copiercore_traverse(CopierCore *o, visitproc visit, void *arg) {
+#define VISIT(f) Py_VISIT(o->f);
+    COPIER_FIELDS(VISIT)
+#undef VISIT
+    return 0;
+}
+
+static int copiercore_clear(CopierCore *o) {
+#define CLEAR(f) Py_CLEAR(o->f);
+    COPIER_FIELDS(CLEAR)
+#undef CLEAR
+    return 0;
+}
+
+static void copiercore_dealloc(CopierCore *o) {
+    PyObject_GC_UnTrack(o);
+    copiercore_clear(o);
+    Py_TYPE(o)->tp_free((PyObject *)o);
+}
+
+static PyObject *check_module, *s_check_mode, *s_steps, *one_obj;
+
+/* 1: not capturing; 0: capturing, or cannot tell (the Python path asks again) */
+static int not_capturing(CopierCore *c) {
+    if (!c->cap_query || c->cap_query == Py_None || !c->cap_arg) return 0;
+    PyObject *st = PyObject_CallOneArg(c->cap_query, c->cap_arg);
+    if (!st) {
+        PyErr_Clear();
+        return 0;
+    }
+    int idle = st == Py_False;
+    if (!idle && PyLong_CheckExact(st)) {
+        int overflow;
+        idle = PyLong_AsLongLongAndOverflow(st, &overflow) == 0 && !overflow;
+        PyErr_Clear();
+    }
+    Py_DECREF(st);
+    return idle;
+}
+
+static PyObject *copiercore_begin_fast(CopierCore *c, PyObject *unused) {
+    if (c->closed != Py_False || !c->seg || Py_TYPE(c->seg) != &SegmentType ||
+        c->checker != Py_None || !c->ring || !PyObject_TypeCheck(c->ring, &RingCoreType) ||
+        !c->stats)
+        Py_RETURN_FALSE;
+    unsigned long me = PyThread_get_thread_ident();
+    if (c->in_step == Py_True) {
+        if (!c->owner || !PyLong_CheckExact(c->owner)) Py_RETURN_FALSE;
+        unsigned long owner = PyLong_AsUnsignedLong(c->owner);
+        if (PyErr_Occurred()) {
+            PyErr_Clear();
+            Py_RETURN_FALSE;
+        }
+        if (owner != me) Py_RETURN_FALSE;
+    } else if (c->in_step != Py_False) {
+        Py_RETURN_FALSE;
+    }
+    Segment *seg = (Segment *)c->seg;
+    if (PyList_GET_SIZE(seg->entries)) Py_RETURN_FALSE; /* staged: flushed first */
+    if (!check_module) {
+        check_module = PyImport_ImportModule("cucopy.check");
+        if (!check_module) {
+            PyErr_Clear();
+            Py_RETURN_FALSE;
+        }
+    }
+    PyObject *mode = PyObject_GetAttr(check_module, s_check_mode);
+    if (!mode) {
+        PyErr_Clear();
+        Py_RETURN_FALSE;
+    }
+    Py_DECREF(mode);
+    if (mode != Py_False || !not_capturing(c)) Py_RETURN_FALSE;
+    PyObject *args[4] = {c->seg, c->tables, c->cap_for, c->cap};
+    if (!args[1] || !args[2] || !args[3]) Py_RETURN_FALSE;
+    PyObject *r = ringcore_advance_fast((RingCore *)c->ring, args, 4);
+    if (!r) {
+        /* the ring took its step but binding failed: as begin() leaves it */
+        Py_SETREF(c->in_step, Py_NewRef(Py_False));
+        seg->fast = 0;
+        Py_SETREF(c->feed, Py_NewRef(Py_None));
+        Py_SETREF(c->feed_pending, Py_NewRef(Py_None));
+        Py_SETREF(c->capturing, Py_NewRef(Py_False));
+        Py_SETREF(c->slot, Py_NewRef(Py_None));
+        seg_release(seg);
+        seg->seg = -1;
+        seg->cursor = 0;
+        return NULL;
+    }
+    if (r == Py_None) {
+        Py_DECREF(r);
+        Py_RETURN_FALSE;
+    }
+    PyObject *owner = PyLong_FromUnsignedLong(me);
+    PyObject *steps = owner ? PyObject_GetAttr(c->stats, s_steps) : NULL;
+    PyObject *next = steps ? PyNumber_Add(steps, one_obj) : NULL; /* stats.steps += 1 */
+    Py_XDECREF(steps);
+    if (!next || PyObject_SetAttr(c->stats, s_steps, next) < 0) {
+        Py_XDECREF(next);
+        Py_XDECREF(owner);
+        Py_DECREF(r);
+        return NULL;
+    }
+    Py_DECREF(next);
+    Py_SETREF(c->slot, Py_NewRef(PyTuple_GET_ITEM(r, 0)));
+    Py_SETREF(c->cap_for, Py_NewRef(PyTuple_GET_ITEM(r, 1)));
+    Py_SETREF(c->cap, Py_NewRef(PyTuple_GET_ITEM(r, 2)));
+    Py_DECREF(r);
+    Py_SETREF(c->feed, Py_NewRef(Py_None));
+    Py_SETREF(c->feed_pending, Py_NewRef(Py_None));
+    Py_SETREF(c->capturing, Py_NewRef(Py_False));
+    Py_SETREF(c->owner, owner);
+    Py_SETREF(c->in_step, Py_NewRef(Py_True));
+    seg->fast = 1;
+    seg->owner = me;
+    c->fast_begins++;
+    Py_RETURN_TRUE;
+}
+
+/* attr += by (an int attribute of a Python object) */
+static int bump(PyObject *obj, PyObject *name, long long by) {
+    PyObject *v = PyObject_GetAttr(obj, name);
+    PyObject *d = v ? PyLong_FromLongLong(by) : NULL;
+    PyObject *n = d ? PyNumber_Add(v, d) : NULL;
+    int r = n ? PyObject_SetAttr(obj, name, n) : -1;
+    Py_XDECREF(v); Py_XDECREF(d); Py_XDECREF(n);
+    return r;
+}
+
+static PyObject *s_segments, *s_bytes_staged, *s_modes, *s_inline;
+
+static PyObject *copiercore_flush_fast(CopierCore *c, PyObject *unused) {
+    if (c->closed != Py_False || !c->seg || Py_TYPE(c->seg) != &SegmentType ||
+        c->checker != Py_None || !c->inline_args || !PyTuple_CheckExact(c->inline_args) ||
+        PyTuple_GET_SIZE(c->inline_args) != 3 || !c->slot ||
+        !PyObject_TypeCheck(c->slot, &SlotCoreType) || !c->ring ||
+        !PyObject_TypeCheck(c->ring, &RingCoreType) || !c->stats)
+        Py_RETURN_FALSE;
+    if (c->in_step == Py_True) {
+        if (!c->owner || !PyLong_CheckExact(c->owner)) Py_RETURN_FALSE;
+        unsigned long owner = PyLong_AsUnsignedLong(c->owner);
+        if (PyErr_Occurred()) {
+            PyErr_Clear();
+            Py_RETURN_FALSE;
+        }
+        if (owner != PyThread_get_thread_ident()) Py_RETURN_FALSE;
+    } else if (c->in_step != Py_False) {
+        Py_RETURN_FALSE;
+    }
+    Segment *seg = (Segment *)c->seg;
+    SlotCore *slot = (SlotCore *)c->slot;
+    if (!PyList_GET_SIZE(seg->entries) || !seg->bound || seg->slot != c->slot || !slot->base)
+        Py_RETURN_FALSE;
+    CarriedLauncher *L = PyCapsule_GetPointer(PyTuple_GET_ITEM(c->inline_args, 0), LAUNCHER_NAME);
+    unsigned long long stream = L ? PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(c->inline_args, 1)) : 0;
+    long long inline_max = PyErr_Occurred() ? 0 : PyLong_AsLongLong(PyTuple_GET_ITEM(c->inline_args, 2));
+    unsigned long long dev = PyErr_Occurred() ? 0 : PyLong_AsUnsignedLongLong(slot->base);
+    if (PyErr_Occurred()) {
+        PyErr_Clear();
+        Py_RETURN_FALSE;
+    }
+    if (!not_capturing(c)) Py_RETURN_FALSE;
+    /* from here on as _flush_segment: an error is flush()'s to report (the segment cut) */
+    int64_t off, end, nblocks;
+    Py_ssize_t n;
+    if (cut_impl(seg, inline_max, &off, &end, &nblocks, &n) < 0) return NULL;
+    int64_t total = end - off;
+    if (total > inline_max ||
+        L->carried(L->drv, (unsigned long long)nblocks, stream, dev + (unsigned long long)off,
+                   (const char *)seg->view.buf + off, (size_t)total) != 0)
+        return Py_BuildValue("(LLLn)", (long long)off, (long long)end, (long long)nblocks, n);
+    /* landed, carried whole: no event needed for it (as _flush_segment's "inline") */
+    PyObject *modes = PyObject_GetAttr(c->stats, s_modes);
+    PyObject *m = modes ? PyDict_GetItemWithError(modes, s_inline) : NULL; /* borrowed */
+    PyObject *m1 = m ? PyNumber_Add(m, one_obj) : NULL;
+    int err = !m1 || PyDict_SetItem(modes, s_inline, m1) < 0;
+    Py_XDECREF(m1);
+    Py_XDECREF(modes);
+    if (err || bump(c->stats, s_segments, 1) < 0 || bump(c->stats, s_bytes_staged, total) < 0)
+        return NULL;
+    PyObject *f = seg_finish(seg, NULL);
+    if (!f) return NULL;
+    Py_DECREF(f);
+    c->fast_flushes++;
+    /* the slot dirtied earlier in the step (an eager copy): flush()'s body records it */
+    RingCore *ring = (RingCore *)c->ring;
+    if (ring->current && PyObject_TypeCheck(ring->current, &SlotCoreType) &&
+        ((SlotCore *)ring->current)->dirty != Py_False)
+        Py_RETURN_FALSE;
+    Py_RETURN_TRUE;
+}
+
+static PyMethodDef copiercore_methods[] = {
+    {"_flush_fast", (PyCFunction)copiercore_flush_fast, METH_NOARGS,
+     "flush()'s common case: True when done, False for flush()'s Python body, or the cut "
+     "(seg, end, nblocks, n) of a segment it could not launch carried whole."},
+    {"_begin_fast", (PyCFunction)copiercore_begin_fast, METH_NOARGS,
+     "begin()'s common case: True when the step is open, False for begin()'s Python body "
+     "(nothing changed)."},
+    {NULL},
+};
+
+#define MEMBER(name, f) {name, T_OBJECT_EX, offsetof(CopierCore, f), 0, NULL},
+static PyMemberDef copiercore_members[] = {
+    MEMBER("_closed", closed) MEMBER("_in_step", in_step) MEMBER("_owner", owner)
+    MEMBER("_seg", seg) MEMBER("_checker", checker) MEMBER("_feed", feed)
+    MEMBER("_feed_pending", feed_pending) MEMBER("_capturing", capturing)
+    MEMBER("_ring", ring) MEMBER("_slot", slot) MEMBER("_tables", tables)
+    MEMBER("_cap_for", cap_for) MEMBER("_cap", cap) MEMBER("_stepping", stepping)
+    MEMBER("stats", stats) MEMBER("_cap_query", cap_query) MEMBER("_cap_arg", cap_arg)
+    MEMBER("_inline_args", inline_args)
+    {"fast_begins", T_LONGLONG, offsetof(CopierCore, fast_begins), READONLY,
+     "Steps begun by _begin_fast."},
+    {"fast_flushes", T_LONGLONG, offsetof(CopierCore, fast_flushes), READONLY,
+     "Segments landed by _flush_fast."},
+    {NULL},
+};
+#undef MEMBER
+
+static PyTypeObject CopierCoreType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "cucopy._segment.CopierCore",
+    .tp_basicsize = sizeof(CopierCore),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "The copier's per-step fields and begin()'s common case (compiled twin of "
+              "cucopy.copier.PyCopierCore).",
+    .tp_traverse = (traverseproc)copiercore_traverse,
+    .tp_clear = (inquiry)copiercore_clear,
+    .tp_dealloc = (destructor)copiercore_dealloc,
+    .tp_members = copiercore_members,
+    .tp_methods = copiercore_methods,
+    .tp_new = PyType_GenericNew,
+};
+
 static struct PyModuleDef moduledef = {
     PyModuleDef_HEAD_INIT, "cucopy._segment",
     "The open segment, compiled (twin of cucopy.segment.PySegment).", -1, NULL,
@@ -3024,7 +3283,8 @@ PyMODINIT_FUNC PyInit__segment(void) {
     if (PyType_Ready(&EntryType) < 0 || PyType_Ready(&CachedType) < 0 ||
         PyType_Ready(&SegmentType) < 0 || PyType_Ready(&FastCopyType) < 0 ||
         PyType_Ready(&FastRouteType) < 0 || PyType_Ready(&WindowMaxType) < 0 ||
-        PyType_Ready(&SlotCoreType) < 0 || PyType_Ready(&RingCoreType) < 0)
+        PyType_Ready(&SlotCoreType) < 0 || PyType_Ready(&RingCoreType) < 0 ||
+        PyType_Ready(&CopierCoreType) < 0)
         return NULL;
     s_copy = PyUnicode_InternFromString("copy");
     if (!s_copy) return NULL;
@@ -3033,6 +3293,15 @@ PyMODINIT_FUNC PyInit__segment(void) {
     s_unchanged = PyUnicode_InternFromString("unchanged");
     s_on_drop = PyUnicode_InternFromString("on_drop");
     if (!s_seg || !s_after_barrier || !s_unchanged || !s_on_drop) return NULL;
+    s_segments = PyUnicode_InternFromString("segments");
+    s_bytes_staged = PyUnicode_InternFromString("bytes_staged");
+    s_modes = PyUnicode_InternFromString("modes");
+    s_inline = PyUnicode_InternFromString("inline");
+    if (!s_segments || !s_bytes_staged || !s_modes || !s_inline) return NULL;
+    s_check_mode = PyUnicode_InternFromString("CHECK_MODE");
+    s_steps = PyUnicode_InternFromString("steps");
+    one_obj = PyLong_FromLong(1);
+    if (!s_check_mode || !s_steps || !one_obj) return NULL;
     s_backend = PyUnicode_InternFromString("backend");
     s_event_query = PyUnicode_InternFromString("event_query");
     if (!s_backend || !s_event_query) return NULL;
@@ -3059,7 +3328,8 @@ PyMODINIT_FUNC PyInit__segment(void) {
         PyModule_AddObjectRef(m, "FastRoute", (PyObject *)&FastRouteType) < 0 ||
         PyModule_AddObjectRef(m, "WindowMax", (PyObject *)&WindowMaxType) < 0 ||
         PyModule_AddObjectRef(m, "SlotCore", (PyObject *)&SlotCoreType) < 0 ||
-        PyModule_AddObjectRef(m, "RingCore", (PyObject *)&RingCoreType) < 0) {
+        PyModule_AddObjectRef(m, "RingCore", (PyObject *)&RingCoreType) < 0 ||
+        PyModule_AddObjectRef(m, "CopierCore", (PyObject *)&CopierCoreType) < 0) {
         Py_DECREF(m);
         return NULL;
     }

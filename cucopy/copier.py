@@ -15,6 +15,7 @@ from .feed import GraphFeed
 from .plan import CopyPlan
 from .ring import DEMAND_WINDOW, StagingRing, WindowMax, free_orphans, orphan
 from .segment import BARRIER, FULL, ORDER, Segment, fits_shape
+from .segment import CopierCore as _CompiledCopierCore
 from .segment import FastCopy as _FastCopy
 from .segment import FastRoute as _FastRoute
 from .sites import CopySite, Direction
@@ -148,7 +149,63 @@ class _Activation:
         return False
 
 
-class DeviceCopier:
+class PyCopierCore:
+    """The copier's per-step fields (the pure-Python reference; :class:`DeviceCopier`
+    subclasses it).
+
+    ``cucopy._segment.CopierCore`` is its compiled twin: the same fields as C members,
+    and a :meth:`_begin_fast` that opens the common step in one call.
+    """
+
+    __slots__ = (
+        "_closed",
+        "_in_step",
+        "_owner",
+        "_seg",
+        "_checker",
+        "_feed",
+        "_feed_pending",
+        "_capturing",
+        "_ring",
+        "_slot",
+        "_tables",
+        "_cap_for",
+        "_cap",
+        "_stepping",
+        "stats",
+        "_cap_query",
+        "_cap_arg",
+        "__dict__",
+        "__weakref__",
+    )
+
+    @property
+    def fast_begins(self) -> int:
+        """Steps :meth:`_begin_fast` opened (always 0 here: it opens none)."""
+        return 0
+
+    def _begin_fast(self) -> bool:
+        """:meth:`DeviceCopier.begin`'s common case in one call; False: run its body.
+
+        The compiled twin opens the step when the copier is open and the step its
+        thread's, nothing is staged, check mode is off, the stream is not capturing
+        (``_cap_query(_cap_arg)``, the backend's :meth:`~cucopy.backends.base.Backend.capture_query`)
+        and the ring's common step (:meth:`cucopy.ring.PyRingCore.advance_fast`) is
+        taken; it checks everything before changing anything. This reference always
+        returns False: the body is the same step.
+
+        Returns
+        -------
+        bool
+        """
+        return False
+
+
+#: the copier's per-step state: compiled when the staging core is built
+_CopierCore = PyCopierCore if _CompiledCopierCore is None else _CompiledCopierCore
+
+
+class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
     """Routes a step's copies through named sites and merges what the plan allows.
 
     Parameters
@@ -222,6 +279,8 @@ class DeviceCopier:
         # waiting for its peers). A copier is made before such phases.
         caps = self._backend.carry_capacities()
         self._carry_max = caps[-1] if caps else 0
+        # the capture query begin() makes (compiled on CUDA once the kernels are loaded)
+        self._cap_query, self._cap_arg = self._backend.capture_query(self._stream)
         # the compiled carried launch the staging core makes in the call that cuts a
         # segment (None: cut, then the backend's scatter())
         self._launcher = self._backend.carried_launcher() if self._handle is not None else None
@@ -378,6 +437,8 @@ class DeviceCopier:
         CopyError
             From that flush (nothing staged is lost), or a false claim in check mode.
         """
+        if self._begin_fast():  # the common step, compiled (see PyCopierCore._begin_fast)
+            return
         me = _get_ident()
         if self._closed or (self._in_step and self._owner != me):
             self._live()  # raises

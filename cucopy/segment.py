@@ -782,6 +782,8 @@ WindowMax = None
 #: ``cucopy.ring.PySlotCore`` and ``PyRingCore``'s compiled twins (None with the pure-Python segment)
 SlotCore = None
 RingCore = None
+#: ``cucopy.copier.PyCopierCore``'s compiled twin (None with the pure-Python segment)
+CopierCore = None
 if not os.environ.get("CUCOPY_PURE_PYTHON"):
     try:
         from . import _segment as _compiled
@@ -801,4 +803,5 @@ if not os.environ.get("CUCOPY_PURE_PYTHON"):
         WindowMax = _compiled.WindowMax
         SlotCore = _compiled.SlotCore
         RingCore = _compiled.RingCore
+        CopierCore = _compiled.CopierCore
         IMPLEMENTATION = "compiled"

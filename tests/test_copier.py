@@ -795,3 +795,84 @@ def test_flush_with_nothing_staged_queries_nothing():
     assert len(calls) == 3  # begin() and a flush with a segment to land
     assert dev.to_host(dst).tolist() == [0, 1, 2, 3]
     c.close()
+
+
+# -- begin()'s common case, compiled (CopierCore._begin_fast) -----------------------------------
+
+
+def _step_state(c) -> tuple:
+    """What begin() leaves in the copier, its segment and ring."""
+    ring = c._ring
+    return (
+        c._in_step,
+        c._owner,
+        c._capturing,
+        c._checker,
+        c._feed,
+        c._feed_pending,
+        c._slot,
+        c._cap_for,
+        c._cap,
+        c.stats.steps,
+        c._seg.fast,
+        c._seg.reserve,
+        ring.index,
+        ring.acquires,
+    )
+
+
+def _compiled_core() -> bool:
+    from cucopy import copier
+
+    return copier._CopierCore is not copier.PyCopierCore
+
+
+def test_begin_opens_the_common_step_in_one_compiled_call(sim_env):
+    c = sim_env.copier(PLAN, flush_mode="inline", slots=2)
+    a = sim_env.empty((8,))
+    for i in range(10):
+        with c.step():
+            c.copy(Site.POS, a, np.full(8, i, np.int32))
+    assert sim_env.to_host(a).tolist() == [9] * 8
+    assert c.stats.steps == 10 and c.stats.segments == 10
+    # the Python body makes each of the ring's 2 slots the first time round
+    assert c.fast_begins == (8 if _compiled_core() else 0)
+    c.close()
+
+
+@pytest.mark.skipif(not _compiled_core(), reason="the compiled staging core is not in use")
+@pytest.mark.parametrize("why", ["staged", "check_mode", "capturing", "other_thread", "ring"])
+def test_begin_fast_declines_without_changing_anything(sim_env, monkeypatch, why):
+    import threading
+
+    from cucopy import check
+
+    c = sim_env.copier(PLAN, flush_mode="inline")
+    a = sim_env.empty((8,))
+    for i in range(3):
+        with c.step():
+            c.copy(Site.POS, a, np.full(8, i, np.int32))
+    if why == "staged":
+        c.begin()
+        c.copy(Site.POS, a, np.full(8, 7, np.int32))
+    elif why == "check_mode":
+        monkeypatch.setattr(check, "CHECK_MODE", True)
+    elif why == "capturing":
+        monkeypatch.setattr(c, "_cap_query", lambda arg: True)
+    elif why == "other_thread":
+        t = threading.Thread(target=c.begin)
+        t.start()
+        t.join()
+    else:
+        c._ring.current.dirty = True  # the ring's step would record its event first
+    before, fast = _step_state(c), c.fast_begins
+    assert c._begin_fast() is False
+    assert _step_state(c) == before and c.fast_begins == fast
+    if why == "other_thread":
+        with pytest.raises(cc.CopyError, match="belongs to another thread"):
+            c.begin()  # the Python body reports it
+        c._in_step = False
+    monkeypatch.undo()
+    c.begin()  # the Python body opens the step
+    c.flush()
+    c.close()

@@ -255,6 +255,19 @@ class Backend:
         """
         return None
 
+    def capture_query(self, stream) -> tuple:
+        """The cheapest form of :meth:`is_capturing` for ``stream``, for a step's begin.
+
+        Returns
+        -------
+        fn, arg : callable, object
+            ``fn(arg)`` is false or 0 when ``stream`` is not capturing, and anything
+            else (true, a nonzero int) when it is or when it cannot tell; the caller
+            then asks :meth:`is_capturing`, which reports errors. This one is
+            ``(self.is_capturing, stream)``.
+        """
+        return self.is_capturing, stream
+
     def describe(self) -> str:
         """A short name for messages, e.g. ``cuda:0`` or ``sim:0``."""
         return self.name

@@ -680,6 +680,15 @@ class CudaBackend(Backend):
         fast = self._bound
         return None if fast is None else fast.launcher()
 
+    def capture_query(self, stream) -> tuple:
+        """The compiled capture query on ``stream`` (a raw handle) once the kernels are
+        loaded: its status (0: not capturing; negative: another device current or a
+        failure, which :meth:`is_capturing` then reports); else :meth:`is_capturing`."""
+        fast = self._bound
+        if fast is not None and isinstance(stream, int):
+            return fast.is_capturing, stream
+        return self.is_capturing, stream
+
     # -- streams and capture -------------------------------------------------------
 
     def resolve_stream(self, stream):
