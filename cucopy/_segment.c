@@ -3032,13 +3032,13 @@ typedef struct {
     PyObject_HEAD
     PyObject *closed, *in_step, *owner, *seg, *checker, *feed, *feed_pending, *capturing;
     PyObject *ring, *slot, *tables, *cap_for, *cap, *stepping, *stats, *cap_query, *cap_arg;
-    PyObject *inline_args; /* (launcher, stream handle, largest carry), or None */
+    PyObject *launcher, *handle, *carry_max, *flush_mode; /* what a carried flush needs */
     long long fast_begins, fast_flushes;
 } CopierCore;
 
 #define COPIER_FIELDS(X) X(closed) X(in_step) X(owner) X(seg) X(checker) X(feed) \
     X(feed_pending) X(capturing) X(ring) X(slot) X(tables) X(cap_for) X(cap) X(stepping) \
-    X(stats) X(cap_query) X(cap_arg) X(inline_args)
+    X(stats) X(cap_query) X(cap_arg) X(launcher) X(handle) X(carry_max) X(flush_mode)
 
 static int copiercore_traverse(CopierCore *o, visitproc visit, void *arg) {
 #define VISIT(f) Py_VISIT(o->f);
@@ -3173,8 +3173,11 @@ static PyObject *s_segments, *s_bytes_staged, *s_modes, *s_inline;
 
 static PyObject *copiercore_flush_fast(CopierCore *c, PyObject *unused) {
     if (c->closed != Py_False || !c->seg || Py_TYPE(c->seg) != &SegmentType ||
-        c->checker != Py_None || !c->inline_args || !PyTuple_CheckExact(c->inline_args) ||
-        PyTuple_GET_SIZE(c->inline_args) != 3 || !c->slot ||
+        c->checker != Py_None || !c->launcher || !PyCapsule_CheckExact(c->launcher) ||
+        !c->handle || !c->carry_max || !c->flush_mode || !PyUnicode_Check(c->flush_mode) ||
+        (PyUnicode_CompareWithASCIIString(c->flush_mode, "inline") &&
+         PyUnicode_CompareWithASCIIString(c->flush_mode, "auto")) ||
+        !c->slot ||
         !PyObject_TypeCheck(c->slot, &SlotCoreType) || !c->ring ||
         !PyObject_TypeCheck(c->ring, &RingCoreType) || !c->stats)
         Py_RETURN_FALSE;
@@ -3193,9 +3196,9 @@ static PyObject *copiercore_flush_fast(CopierCore *c, PyObject *unused) {
     SlotCore *slot = (SlotCore *)c->slot;
     if (!PyList_GET_SIZE(seg->entries) || !seg->bound || seg->slot != c->slot || !slot->base)
         Py_RETURN_FALSE;
-    CarriedLauncher *L = PyCapsule_GetPointer(PyTuple_GET_ITEM(c->inline_args, 0), LAUNCHER_NAME);
-    unsigned long long stream = L ? PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(c->inline_args, 1)) : 0;
-    long long inline_max = PyErr_Occurred() ? 0 : PyLong_AsLongLong(PyTuple_GET_ITEM(c->inline_args, 2));
+    CarriedLauncher *L = PyCapsule_GetPointer(c->launcher, LAUNCHER_NAME);
+    unsigned long long stream = L ? PyLong_AsUnsignedLongLong(c->handle) : 0;
+    long long inline_max = PyErr_Occurred() ? 0 : PyLong_AsLongLong(c->carry_max);
     unsigned long long dev = PyErr_Occurred() ? 0 : PyLong_AsUnsignedLongLong(slot->base);
     if (PyErr_Occurred()) {
         PyErr_Clear();
@@ -3250,7 +3253,8 @@ static PyMemberDef copiercore_members[] = {
     MEMBER("_ring", ring) MEMBER("_slot", slot) MEMBER("_tables", tables)
     MEMBER("_cap_for", cap_for) MEMBER("_cap", cap) MEMBER("_stepping", stepping)
     MEMBER("stats", stats) MEMBER("_cap_query", cap_query) MEMBER("_cap_arg", cap_arg)
-    MEMBER("_inline_args", inline_args)
+    MEMBER("_launcher", launcher) MEMBER("_handle", handle) MEMBER("_carry_max", carry_max)
+    MEMBER("flush_mode", flush_mode)
     {"fast_begins", T_LONGLONG, offsetof(CopierCore, fast_begins), READONLY,
      "Steps begun by _begin_fast."},
     {"fast_flushes", T_LONGLONG, offsetof(CopierCore, fast_flushes), READONLY,

@@ -175,6 +175,10 @@ class PyCopierCore:
         "stats",
         "_cap_query",
         "_cap_arg",
+        "_launcher",
+        "_handle",
+        "_carry_max",
+        "flush_mode",
         "__dict__",
         "__weakref__",
     )
@@ -183,6 +187,32 @@ class PyCopierCore:
     def fast_begins(self) -> int:
         """Steps :meth:`_begin_fast` opened (always 0 here: it opens none)."""
         return 0
+
+    @property
+    def fast_flushes(self) -> int:
+        """Segments :meth:`_flush_fast` landed (always 0 here: it lands none)."""
+        return 0
+
+    def _flush_fast(self):
+        """:meth:`DeviceCopier.flush`'s common case in one call.
+
+        The compiled twin, when the copier is open and the step its thread's, copies
+        are staged, check mode is off, the flush mode carries segments (``inline``,
+        ``auto``) through the backend's compiled launch and the stream is not
+        capturing: cuts the segment and launches it carried whole, counts it in
+        ``stats`` and finishes it, as :meth:`DeviceCopier._flush_segment` does. It
+        checks everything before it cuts.
+
+        Returns
+        -------
+        True, False or tuple
+            True: landed. False: run :meth:`DeviceCopier.flush`'s body (nothing was
+            changed, or the segment landed and the slot still needs its event
+            recorded). A tuple: the segment is cut but could not be launched carried
+            whole; ``_flush_segment(cut)`` lands it. This reference always returns
+            False.
+        """
+        return False
 
     def _begin_fast(self) -> bool:
         """:meth:`DeviceCopier.begin`'s common case in one call; False: run its body.
@@ -499,6 +529,19 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
 
         Also records the slot's event. Does nothing while the stream is capturing.
         """
+        try:
+            done = self._flush_fast()  # the common case, compiled (PyCopierCore._flush_fast)
+        except BaseException as exc:
+            entries = self._seg.entries
+            raise self._flush_error(entries, exc) from exc
+        if done is True:
+            return
+        if done is not False:  # cut, not launched carried whole: land it by its mode's path
+            self._flush_segment(done)
+            slot = self._ring.current
+            if slot is not None and slot.dirty:
+                self._ring.record(self._stream)
+            return
         if self._closed or (self._in_step and self._owner != _get_ident()):
             self._live()  # raises
         seg = self._seg
@@ -1312,6 +1355,16 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
         self.stats.eager_flushes += 1
         self._flush_segment()
 
+    def _flush_error(self, entries, exc: BaseException) -> BaseException:
+        """A flush of ``entries`` failed with ``exc``: drop the segment, return what to raise."""
+        self._drop_segment(entries)
+        if isinstance(exc, CopyError) or not isinstance(exc, Exception):
+            return exc  # a CopyError already names the site; KeyboardInterrupt stays one
+        return CopyError(
+            f"{_label(entries[0].site)}: flushing {len(entries)} staged copies "
+            f"failed: {exc!r}; their on_drop callbacks ran"
+        )
+
     def _drop_segment(self, entries) -> None:
         """A segment whose launch failed: drop it (the slot stays usable), run its ``on_drop``."""
         seg = self._seg
@@ -1323,8 +1376,12 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
         except CopyError:
             pass  # the launch's own error is the one reported
 
-    def _flush_segment(self) -> None:
-        """Issue the open segment: header + descriptors, then one upload and one launch."""
+    def _flush_segment(self, cut=None) -> None:
+        """Issue the open segment: header + descriptors, then one upload and one launch.
+
+        ``cut``: the segment already cut (:meth:`_flush_fast` could not launch it carried
+        whole), landed by its mode's path.
+        """
         seg = self._seg
         entries = seg.entries
         if not entries:
@@ -1333,19 +1390,20 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
         checker = self._checker
         mode = self.flush_mode
         cmax = self._carry_max
+        pin = slot.pinned
         try:
-            if checker is not None:
-                checker.before_flush(entries)
-            pin = slot.pinned
-            if mode in ("inline", "auto"):
-                launcher = self._launcher
-                if launcher is not None:
-                    # cut and, when the whole segment fits, the carried launch, in one call
-                    cut = seg.flush_carried(launcher, self._handle, cmax, pin.device_ptr)
+            if cut is None:
+                if checker is not None:
+                    checker.before_flush(entries)
+                if mode in ("inline", "auto"):
+                    launcher = self._launcher
+                    if launcher is not None:
+                        # cut and, when the whole segment fits, the carried launch, in one call
+                        cut = seg.flush_carried(launcher, self._handle, cmax, pin.device_ptr)
+                    else:
+                        cut = seg.cut(cmax)
                 else:
-                    cut = seg.cut(cmax)
-            else:
-                cut = seg.cut(-1)
+                    cut = seg.cut(-1)
             if cut.__class__ is int:
                 total = cut
                 how = "inline"
@@ -1354,13 +1412,7 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
                 how = self._land(start, end, nblocks, n, mode, cmax, slot, pin)
                 total = end - start
         except BaseException as exc:
-            self._drop_segment(entries)
-            if isinstance(exc, CopyError) or not isinstance(exc, Exception):
-                raise  # a CopyError already names the site; KeyboardInterrupt stays one
-            raise CopyError(
-                f"{_label(entries[0].site)}: flushing {len(entries)} staged copies "
-                f"failed: {exc!r}; their on_drop callbacks ran"
-            ) from exc
+            raise self._flush_error(entries, exc) from exc
         if how != "inline":
             # the launch reads the slot when it runs: the slot's event must follow it.
             # An inline launch took its bytes at enqueue, so it needs no event (one

@@ -171,7 +171,7 @@ class PySlotCore:
     which the compiled :meth:`PyRingCore.advance_fast` reads and writes directly.
     """
 
-    __slots__ = ("size", "bottom", "top", "recorded", "dirty", "temps", "frees")
+    __slots__ = ("size", "bottom", "top", "recorded", "dirty", "temps", "frees", "base")
 
 
 class PyRingCore:
@@ -254,6 +254,7 @@ class Slot(SlotCore):  # type: ignore[misc,valid-type]
             self.pinned.close()
             raise
         self.array = self.pinned.array
+        self.base = self.pinned.device_ptr  # where a launch reads the slot
         self.mv = memoryview(self.array)
         self.event = None
         self.size = size

@@ -353,27 +353,27 @@ def test_on_a_gpu_inline_segments_launch_from_the_staging_core(env):
 
 
 @needs_both
-@pytest.mark.parametrize("mode", ["auto", "inline", "mapped", "dma"])
-def test_a_copier_given_a_launcher_lands_what_scatter_would(mode):
-    # CI has no GPU, so the copier's launcher branch runs here against the simulated
-    # device: the fake driver checks the launch carries the slot's bytes, then lands
-    # them with the sim backend's own scatter (as the carried kernel would)
+def _landing_copier(mode: str, plan_sites=("A", "B"), eager_site: bool = False):
+    """A sim copier given a fake launcher that lands what it is handed.
+
+    The fake driver checks the launch carries the slot's bytes, then lands them with
+    the sim backend's own scatter (as the carried kernel would). Returns
+    ``(copier, site class, device, fake driver, problems)``.
+    """
     import cucopy as cc
 
-    class Site(cc.CopySite):
-        A = cc.H2D
-        B = cc.H2D
-
+    members = [(name, cc.H2D) for name in plan_sites] + ([("E", cc.H2D)] if eager_site else [])
+    site = cc.CopySite("Site", members)
     dev = SimDevice(policy="lazy")
     c = cc.DeviceCopier(
-        cc.CopyPlan(merge={Site.A, Site.B}),
+        cc.CopyPlan(merge={getattr(site, n) for n in plan_sites}),
         stream=dev.default_stream,
         device=dev,
         backend="sim",
         flush_mode=mode,
     )
     be = c._backend
-    problems = []
+    problems: list = []
 
     class Landing(FakeDriver):
         def launch(self, f, gx, gy, gz, bx, by, bz, shmem, stream, params, extra):
@@ -397,6 +397,16 @@ def test_a_copier_given_a_launcher_lands_what_scatter_would(mode):
     caps = be.carry_capacities()
     d.kernels(0x5CA7, [(cap, 0x1000 + i) for i, cap in enumerate(caps)], pack.THREADS)
     c._launcher, c._handle = d.launcher(), 77
+    return c, site, dev, fake, problems
+
+
+@pytest.mark.parametrize("mode", ["auto", "inline", "mapped", "dma"])
+def test_a_copier_given_a_launcher_lands_what_scatter_would(mode):
+    # CI has no GPU, so the copier's launcher branch runs here against the simulated
+    # device (see _landing_copier)
+    from cucopy import copier as copier_mod
+
+    c, Site, dev, fake, problems = _landing_copier(mode)
     rng = np.random.default_rng(7)
     dsts = [dev.zeros((k,), np.int32) for k in (3, 100, 5000, 1)]
     for _ in range(4):
@@ -415,6 +425,78 @@ def test_a_copier_given_a_launcher_lands_what_scatter_would(mode):
     assert c.stats.segments == 8
     if mode in ("auto", "inline"):  # at most 20 KB a segment: carried whole
         assert len(fake.launches) == 8
+        # each through flush()'s compiled common case (CopierCore._flush_fast)
+        compiled = copier_mod._CopierCore is not copier_mod.PyCopierCore
+        assert c.fast_flushes == (8 if compiled else 0)
     if mode in ("mapped", "dma"):
         assert fake.launches == []
+        assert c.fast_flushes == 0
+    c.close()
+
+
+def _compiled_copier_core() -> bool:
+    from cucopy import copier
+
+    return copier._CopierCore is not copier.PyCopierCore
+
+
+@needs_both
+@pytest.mark.skipif(not _compiled_copier_core(), reason="the compiled staging core is not in use")
+@pytest.mark.parametrize("why", ["dma", "no_launcher", "check_mode", "capturing"])
+def test_flush_fast_declines_without_cutting(monkeypatch, why):
+    from cucopy import check
+
+    mode = "dma" if why == "dma" else "auto"
+    c, Site, dev, fake, problems = _landing_copier(mode)
+    a = dev.zeros((64,), np.int32)
+    with c.step():
+        c.copy(Site.A, a, np.arange(64, dtype=np.int32))
+    if why == "no_launcher":
+        c._launcher = None
+    elif why == "check_mode":
+        monkeypatch.setattr(check, "CHECK_MODE", True)
+    c.begin()
+    c.copy(Site.A, a, np.full(64, 5, np.int32))
+    if why == "capturing":
+        monkeypatch.setattr(c, "_cap_query", lambda arg: 1)
+    staged, cursor, flushes = c.staged, c._seg.cursor, c.fast_flushes
+    assert c._flush_fast() is False
+    assert (c.staged, c._seg.cursor, c.fast_flushes) == (staged, cursor, flushes)
+    c.flush()  # flush()'s Python body lands it
+    dev.synchronize()
+    assert dev.to_host(a).tolist() == [5] * 64 and problems == []
+    c.close()
+
+
+@needs_both
+@pytest.mark.skipif(not _compiled_copier_core(), reason="the compiled staging core is not in use")
+def test_flush_fast_lands_what_it_cut_through_the_python_path_when_too_large():
+    c, Site, dev, fake, problems = _landing_copier("auto")
+    big = dev.zeros((16384,), np.int32)  # 64 KiB: past every carry capacity
+    want = np.arange(16384, dtype=np.int32)
+    with c.step():
+        c.copy(Site.A, big, want)
+    dev.synchronize()
+    assert np.array_equal(dev.to_host(big), want) and problems == []
+    assert fake.launches == [] and c.fast_flushes == 0
+    assert c.stats.segments == 1 and c.stats.modes["inline"] == 0
+    assert c._ring.current.recorded  # mapped or dma: its event follows the launch
+    c.close()
+
+
+@needs_both
+@pytest.mark.skipif(not _compiled_copier_core(), reason="the compiled staging core is not in use")
+def test_flush_fast_leaves_an_eager_copys_event_to_the_python_body():
+    c, Site, dev, fake, problems = _landing_copier("auto", eager_site=True)
+    a, b = dev.zeros((16,), np.int32), dev.zeros((16,), np.int32)
+    with c.step():
+        c.copy(Site.A, a, np.full(16, 3, np.int32))
+    with c.step():
+        c.copy(Site.E, b, np.full(16, 4, np.int32))  # not merged: an eager copy, slot dirty
+        c.copy(Site.A, a, np.full(16, 6, np.int32))
+    assert c.fast_flushes == 2 and len(fake.launches) == 2
+    assert c._ring.current.recorded and not c._ring.current.dirty
+    dev.synchronize()
+    assert dev.to_host(a).tolist() == [6] * 16 and dev.to_host(b).tolist() == [4] * 16
+    assert problems == []
     c.close()
