@@ -84,7 +84,8 @@ class _Step:
     def __enter__(self) -> DeviceCopier:
         c = self._copier
         graph = self._graph
-        c._live()
+        if c._closed or (c._in_step and c._owner != _get_ident()):
+            c._live()  # raises
         if graph is not None and (not isinstance(graph, GraphFeed) or graph._copier is not c):
             raise ValueError(
                 f"step(graph=...): expected a GraphFeed made by this copier's "
