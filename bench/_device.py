@@ -852,6 +852,28 @@ def host_passes(ctx, contenders: list, reps: int, warmup: int) -> tuple[list, li
     return samples, per
 
 
+def host_by_contender(ctx, contenders: list, reps: int, warmup: int, notes: list, label: str):
+    """:func:`host_passes` keyed by contender, for :func:`measure`'s ``host``/``ops``.
+
+    If the passes fail, a note (prefixed ``label``) says so and both dicts come back
+    empty: :func:`measure` then times each contender on its own.
+
+    Returns
+    -------
+    host, ops : dict
+        ``id(contender) ->`` host samples, and stream operations per step.
+    """
+    try:
+        samples, per_step = host_passes(ctx, contenders, reps, warmup)
+    except Exception as e:
+        notes.append(f"{label}: host passes failed ({e!r}); contenders timed one by one")
+        return {}, {}
+    return (
+        {id(c): x for c, x in zip(contenders, samples)},
+        {id(c): x for c, x in zip(contenders, per_step)},
+    )
+
+
 def held_gpu_us(ctx: GpuContext, step, reps: int, warmup: int = 3) -> list[float]:
     """GPU microseconds of one step's work, enqueued behind a spin kernel.
 

@@ -226,18 +226,11 @@ def run(ctx, n: int, fractions, reps: int, warmup: int, progress=None, seed: int
         live = [c for _, c, _ in built if c is not None]
         for c in live:
             c.steps = c.issued = 0
-        host: dict = {}
-        ops: dict = {}
-        try:
-            # every contender's host time in two passes, the second reversed
-            # (devmod.host_passes: the host's drift during the run weighs on all alike)
-            samples, per_step = devmod.host_passes(ctx, live, reps, warmup)
-            host = {id(c): x for c, x in zip(live, samples)}
-            ops = {id(c): x for c, x in zip(live, per_step)}
-        except Exception as e:  # then each is timed on its own below
-            out["notes"].append(
-                f"changed={frac:g}: host passes failed ({e!r}); contenders timed one by one"
-            )
+        # every contender's host time in two passes, the second reversed
+        # (devmod.host_passes: the host's drift during the run weighs on all alike)
+        host, ops = devmod.host_by_contender(
+            ctx, live, reps, warmup, out["notes"], f"changed={frac:g}"
+        )
         for cls, c, notes in built:
             row = {"contender": cls.name, "changed": frac, "changed_inputs": changed}
             if c is not None:

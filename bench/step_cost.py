@@ -102,16 +102,9 @@ def run(ctx, n_list, reps: int, warmup: int, progress=None, contenders=None, see
             notes: list = []
             built.append((cls, devmod.build(cls, ctx, wl, notes), notes))
         live = [c for _, c, _ in built if c is not None]
-        host: dict = {}
-        ops: dict = {}
-        try:
-            # every contender's host time in two passes, the second reversed
-            # (devmod.host_passes: the host's drift during the run weighs on all alike)
-            samples, per_step = devmod.host_passes(ctx, live, reps, warmup)
-            host = {id(c): x for c, x in zip(live, samples)}
-            ops = {id(c): x for c, x in zip(live, per_step)}
-        except Exception as e:  # then each is timed on its own below
-            out["notes"].append(f"N={n}: host passes failed ({e!r}); contenders timed one by one")
+        # every contender's host time in two passes, the second reversed
+        # (devmod.host_passes: the host's drift during the run weighs on all alike)
+        host, ops = devmod.host_by_contender(ctx, live, reps, warmup, out["notes"], f"N={n}")
         for cls, c, notes in built:
             row = {"contender": cls.name, "n": n, "total_bytes": total, "verified": c is not None}
             if c is not None:

@@ -2782,22 +2782,39 @@ typedef struct {
     PyObject *base; /* the pinned buffer's device address (what a launch reads it at) */
 } SlotCore;
 
-static int slotcore_traverse(SlotCore *o, visitproc visit, void *arg) {
-    Py_VISIT(o->size); Py_VISIT(o->bottom); Py_VISIT(o->top); Py_VISIT(o->recorded);
-    Py_VISIT(o->dirty); Py_VISIT(o->temps); Py_VISIT(o->frees); Py_VISIT(o->base);
-    return 0;
-}
+/* traverse and clear of a type whose fields an X-macro lists */
+#define VISIT_FIELD(f) Py_VISIT(o->f);
+#define CLEAR_FIELD(f) Py_CLEAR(o->f);
+#define GC_FIELDS(prefix, T, FIELDS)                                      \
+    static int prefix##_traverse(T *o, visitproc visit, void *arg) {     \
+        FIELDS(VISIT_FIELD)                                               \
+        return 0;                                                         \
+    }                                                                     \
+    static int prefix##_clear(T *o) {                                     \
+        FIELDS(CLEAR_FIELD)                                               \
+        return 0;                                                         \
+    }
 
-static int slotcore_clear(SlotCore *o) {
-    Py_CLEAR(o->size); Py_CLEAR(o->bottom); Py_CLEAR(o->top); Py_CLEAR(o->recorded);
-    Py_CLEAR(o->dirty); Py_CLEAR(o->temps); Py_CLEAR(o->frees); Py_CLEAR(o->base);
-    return 0;
-}
+#define SLOT_FIELDS(X) X(size) X(bottom) X(top) X(recorded) X(dirty) X(temps) X(frees) X(base)
+GC_FIELDS(slotcore, SlotCore, SLOT_FIELDS)
 
-static void slotcore_dealloc(SlotCore *o) {
+/* the type of a base class whose fields GC_FIELDS lists (Python subclasses it) */
+#define CORE_TYPE(prefix, T, methods, doc)                                   \
+    {                                                                        \
+        PyVarObject_HEAD_INIT(NULL, 0)                                       \
+        .tp_name = "cucopy._segment." #T, .tp_basicsize = sizeof(T),         \
+        .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC, \
+        .tp_doc = doc, .tp_traverse = (traverseproc)prefix##_traverse,       \
+        .tp_clear = (inquiry)prefix##_clear, .tp_dealloc = cleared_dealloc,  \
+        .tp_members = prefix##_members, .tp_methods = methods,               \
+        .tp_new = PyType_GenericNew,                                         \
+    }
+
+/* tp_dealloc of the GC types below, whose tp_clear releases every field */
+static void cleared_dealloc(PyObject *o) {
     PyObject_GC_UnTrack(o);
-    slotcore_clear(o);
-    Py_TYPE(o)->tp_free((PyObject *)o);
+    Py_TYPE(o)->tp_clear(o);
+    Py_TYPE(o)->tp_free(o);
 }
 
 static PyMemberDef slotcore_members[] = {
@@ -2812,18 +2829,8 @@ static PyMemberDef slotcore_members[] = {
     {NULL},
 };
 
-static PyTypeObject SlotCoreType = {
-    PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "cucopy._segment.SlotCore",
-    .tp_basicsize = sizeof(SlotCore),
-    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
-    .tp_doc = "A ring slot's per-step fields (compiled twin of cucopy.ring.PySlotCore).",
-    .tp_traverse = (traverseproc)slotcore_traverse,
-    .tp_clear = (inquiry)slotcore_clear,
-    .tp_dealloc = (destructor)slotcore_dealloc,
-    .tp_members = slotcore_members,
-    .tp_new = PyType_GenericNew,
-};
+static PyTypeObject SlotCoreType = CORE_TYPE(slotcore, SlotCore, NULL,
+    "A ring slot's per-step fields (compiled twin of cucopy.ring.PySlotCore).");
 
 static PyObject *s_backend, *s_event_query;
 
@@ -2834,25 +2841,10 @@ typedef struct {
     long long fast_advances;
 } RingCore;
 
-static int ringcore_traverse(RingCore *o, visitproc visit, void *arg) {
-    Py_VISIT(o->current); Py_VISIT(o->slots); Py_VISIT(o->events); Py_VISIT(o->demand);
-    Py_VISIT(o->index); Py_VISIT(o->want); Py_VISIT(o->acquires); Py_VISIT(o->target_size);
-    Py_VISIT(o->peak);
-    return 0;
-}
+#define RING_FIELDS(X) X(current) X(slots) X(events) X(demand) X(index) X(want) X(acquires) \
+    X(target_size) X(peak)
+GC_FIELDS(ringcore, RingCore, RING_FIELDS)
 
-static int ringcore_clear(RingCore *o) {
-    Py_CLEAR(o->current); Py_CLEAR(o->slots); Py_CLEAR(o->events); Py_CLEAR(o->demand);
-    Py_CLEAR(o->index); Py_CLEAR(o->want); Py_CLEAR(o->acquires); Py_CLEAR(o->target_size);
-    Py_CLEAR(o->peak);
-    return 0;
-}
-
-static void ringcore_dealloc(RingCore *o) {
-    PyObject_GC_UnTrack(o);
-    ringcore_clear(o);
-    Py_TYPE(o)->tp_free((PyObject *)o);
-}
 
 /* what wm_push(w, v) would leave as the window's largest value, w unchanged */
 static int64_t wm_peek(const WindowMax *w, int64_t v) {
@@ -3002,20 +2994,9 @@ static PyMemberDef ringcore_members[] = {
     {NULL},
 };
 
-static PyTypeObject RingCoreType = {
-    PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "cucopy._segment.RingCore",
-    .tp_basicsize = sizeof(RingCore),
-    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
-    .tp_doc = "The staging ring's per-step state and its common step (compiled twin of "
-              "cucopy.ring.PyRingCore).",
-    .tp_traverse = (traverseproc)ringcore_traverse,
-    .tp_clear = (inquiry)ringcore_clear,
-    .tp_dealloc = (destructor)ringcore_dealloc,
-    .tp_members = ringcore_members,
-    .tp_methods = ringcore_methods,
-    .tp_new = PyType_GenericNew,
-};
+static PyTypeObject RingCoreType = CORE_TYPE(ringcore, RingCore, ringcore_methods,
+    "The staging ring's per-step state and its common step (compiled twin of "
+              "cucopy.ring.PyRingCore).");
 
 /* -- CopierCore: the copier's per-step fields, and begin()'s common case -----------
  *
@@ -3040,25 +3021,8 @@ typedef struct {
     X(feed_pending) X(capturing) X(ring) X(slot) X(tables) X(cap_for) X(cap) X(stepping) \
     X(stats) X(cap_query) X(cap_arg) X(launcher) X(handle) X(carry_max) X(flush_mode)
 
-static int copiercore_traverse(CopierCore *o, visitproc visit, void *arg) {
-#define VISIT(f) Py_VISIT(o->f);
-    COPIER_FIELDS(VISIT)
-#undef VISIT
-    return 0;
-}
+GC_FIELDS(copiercore, CopierCore, COPIER_FIELDS)
 
-static int copiercore_clear(CopierCore *o) {
-#define CLEAR(f) Py_CLEAR(o->f);
-    COPIER_FIELDS(CLEAR)
-#undef CLEAR
-    return 0;
-}
-
-static void copiercore_dealloc(CopierCore *o) {
-    PyObject_GC_UnTrack(o);
-    copiercore_clear(o);
-    Py_TYPE(o)->tp_free((PyObject *)o);
-}
 
 static PyObject *check_module, *s_check_mode, *s_steps, *one_obj;
 
@@ -3263,20 +3227,9 @@ static PyMemberDef copiercore_members[] = {
 };
 #undef MEMBER
 
-static PyTypeObject CopierCoreType = {
-    PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "cucopy._segment.CopierCore",
-    .tp_basicsize = sizeof(CopierCore),
-    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
-    .tp_doc = "The copier's per-step fields and begin()'s common case (compiled twin of "
-              "cucopy.copier.PyCopierCore).",
-    .tp_traverse = (traverseproc)copiercore_traverse,
-    .tp_clear = (inquiry)copiercore_clear,
-    .tp_dealloc = (destructor)copiercore_dealloc,
-    .tp_members = copiercore_members,
-    .tp_methods = copiercore_methods,
-    .tp_new = PyType_GenericNew,
-};
+static PyTypeObject CopierCoreType = CORE_TYPE(copiercore, CopierCore, copiercore_methods,
+    "The copier's per-step fields and begin()'s common case (compiled twin of "
+              "cucopy.copier.PyCopierCore).");
 
 static struct PyModuleDef moduledef = {
     PyModuleDef_HEAD_INIT, "cucopy._segment",
