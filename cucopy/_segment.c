@@ -3231,6 +3231,89 @@ static PyTypeObject CopierCoreType = CORE_TYPE(copiercore, CopierCore, copiercor
     "The copier's per-step fields and begin()'s common case (compiled twin of "
               "cucopy.copier.PyCopierCore).");
 
+/* -- StepCore: what DeviceCopier.step() returns, its common case compiled ----------
+ *
+ * ``cucopy.copier._Step`` subclasses it (``copier.PyStepCore`` is the Python twin).
+ * ``__enter__`` of a plain step opens it with ``_begin_fast`` when that takes it,
+ * ``__exit__`` of a step that raised nothing calls ``flush()`` and closes the step;
+ * anything else (a graph step, an exception, a nested or foreign step, a begin the
+ * fast path declines) goes to ``_Step._enter`` / ``_exit``, the Python bodies. */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *copier, *graph;
+} StepCore;
+
+#define STEP_FIELDS(X) X(copier) X(graph)
+GC_FIELDS(stepcore, StepCore, STEP_FIELDS)
+
+static int stepcore_init(StepCore *st, PyObject *args, PyObject *kw) {
+    PyObject *copier, *graph = Py_None;
+    static char *kwlist[] = {"copier", "graph", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|O:_Step", kwlist, &copier, &graph))
+        return -1;
+    Py_XSETREF(st->copier, Py_NewRef(copier));
+    Py_XSETREF(st->graph, Py_NewRef(graph));
+    return 0;
+}
+
+static PyObject *s_enter, *s_exit, *s_flush;
+
+static PyObject *stepcore_enter(StepCore *st, PyObject *unused) {
+    PyObject *o = st->copier;
+    if (o && st->graph == Py_None && PyObject_TypeCheck(o, &CopierCoreType)) {
+        CopierCore *c = (CopierCore *)o;
+        if (c->stepping == Py_False && c->closed == Py_False) {
+            PyObject *r = copiercore_begin_fast(c, NULL);
+            if (!r) return NULL;
+            Py_DECREF(r);
+            if (r == Py_True) {
+                Py_SETREF(c->stepping, Py_NewRef(Py_True));
+                return Py_NewRef(o);
+            }
+        }
+    }
+    return PyObject_CallMethodNoArgs((PyObject *)st, s_enter);
+}
+
+static PyObject *stepcore_exit(StepCore *st, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "__exit__(type, value, traceback)");
+        return NULL;
+    }
+    PyObject *o = st->copier;
+    if (args[0] != Py_None || st->graph != Py_None || !o ||
+        !PyObject_TypeCheck(o, &CopierCoreType) || Py_TYPE(((CopierCore *)o)->seg) != &SegmentType)
+        return PyObject_VectorcallMethod(
+            s_exit, (PyObject *[]){(PyObject *)st, args[0], args[1], args[2]}, 4, NULL);
+    CopierCore *c = (CopierCore *)o;
+    Py_SETREF(c->stepping, Py_NewRef(Py_False));
+    PyObject *r = PyObject_CallMethodNoArgs(o, s_flush);
+    /* finally: the step is over, whatever flush() did */
+    Py_SETREF(c->in_step, Py_NewRef(Py_False));
+    ((Segment *)c->seg)->fast = 0;
+    if (!r) return NULL;
+    Py_DECREF(r);
+    Py_RETURN_FALSE;
+}
+
+static PyMethodDef stepcore_methods[] = {
+    {"__enter__", (PyCFunction)stepcore_enter, METH_NOARGS, "begin(); the copier."},
+    {"__exit__", (PyCFunction)(void (*)(void))stepcore_exit, METH_FASTCALL,
+     "flush(), or discard() on an exception; False."},
+    {NULL},
+};
+
+static PyMemberDef stepcore_members[] = {
+    {"_copier", T_OBJECT_EX, offsetof(StepCore, copier), 0, NULL},
+    {"_graph", T_OBJECT_EX, offsetof(StepCore, graph), 0, NULL},
+    {NULL},
+};
+
+static PyTypeObject StepCoreType = CORE_TYPE(stepcore, StepCore, stepcore_methods,
+    "What DeviceCopier.step() returns, its common case compiled (twin of "
+    "cucopy.copier.PyStepCore).");
+
 static struct PyModuleDef moduledef = {
     PyModuleDef_HEAD_INIT, "cucopy._segment",
     "The open segment, compiled (twin of cucopy.segment.PySegment).", -1, NULL,
@@ -3241,7 +3324,8 @@ PyMODINIT_FUNC PyInit__segment(void) {
         PyType_Ready(&SegmentType) < 0 || PyType_Ready(&FastCopyType) < 0 ||
         PyType_Ready(&FastRouteType) < 0 || PyType_Ready(&WindowMaxType) < 0 ||
         PyType_Ready(&SlotCoreType) < 0 || PyType_Ready(&RingCoreType) < 0 ||
-        PyType_Ready(&CopierCoreType) < 0)
+        PyType_Ready(&CopierCoreType) < 0 || (StepCoreType.tp_init = (initproc)stepcore_init,
+                                               PyType_Ready(&StepCoreType) < 0))
         return NULL;
     s_copy = PyUnicode_InternFromString("copy");
     if (!s_copy) return NULL;
@@ -3250,6 +3334,10 @@ PyMODINIT_FUNC PyInit__segment(void) {
     s_unchanged = PyUnicode_InternFromString("unchanged");
     s_on_drop = PyUnicode_InternFromString("on_drop");
     if (!s_seg || !s_after_barrier || !s_unchanged || !s_on_drop) return NULL;
+    s_enter = PyUnicode_InternFromString("_enter");
+    s_exit = PyUnicode_InternFromString("_exit");
+    s_flush = PyUnicode_InternFromString("flush");
+    if (!s_enter || !s_exit || !s_flush) return NULL;
     s_segments = PyUnicode_InternFromString("segments");
     s_bytes_staged = PyUnicode_InternFromString("bytes_staged");
     s_modes = PyUnicode_InternFromString("modes");
@@ -3286,7 +3374,8 @@ PyMODINIT_FUNC PyInit__segment(void) {
         PyModule_AddObjectRef(m, "WindowMax", (PyObject *)&WindowMaxType) < 0 ||
         PyModule_AddObjectRef(m, "SlotCore", (PyObject *)&SlotCoreType) < 0 ||
         PyModule_AddObjectRef(m, "RingCore", (PyObject *)&RingCoreType) < 0 ||
-        PyModule_AddObjectRef(m, "CopierCore", (PyObject *)&CopierCoreType) < 0) {
+        PyModule_AddObjectRef(m, "CopierCore", (PyObject *)&CopierCoreType) < 0 ||
+        PyModule_AddObjectRef(m, "StepCore", (PyObject *)&StepCoreType) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -18,6 +18,7 @@ from .segment import BARRIER, FULL, ORDER, Segment, fits_shape
 from .segment import CopierCore as _CompiledCopierCore
 from .segment import FastCopy as _FastCopy
 from .segment import FastRoute as _FastRoute
+from .segment import StepCore as _CompiledStepCore
 from .sites import CopySite, Direction
 from .stats import CopyStats
 
@@ -70,10 +71,15 @@ def make_backend(backend=None, device=None):
     raise ValueError(f"backend: expected 'cuda', 'sim' or None, got {backend!r}")
 
 
-class _Step:
-    """What :meth:`DeviceCopier.step` returns: ``begin()`` on entry; on exit ``flush()``
-    (a graph step: left for its replay), ``discard()`` on an exception (a class, not a
-    generator: about a microsecond a step less on the GPU's host)."""
+class PyStepCore:
+    """:class:`_Step`'s fields and its ``with`` protocol (the pure-Python reference).
+
+    ``cucopy._segment.StepCore`` is its compiled twin: its ``__enter__`` opens a plain
+    step with :meth:`PyCopierCore._begin_fast` when that takes it, and its
+    ``__exit__`` of a step that raised nothing calls ``flush()`` and closes the step;
+    anything else goes to :meth:`_Step._enter` / :meth:`_Step._exit`, which this
+    reference always calls.
+    """
 
     __slots__ = ("_copier", "_graph")
 
@@ -82,6 +88,24 @@ class _Step:
         self._graph = graph
 
     def __enter__(self) -> DeviceCopier:
+        return self._enter()  # type: ignore[attr-defined]
+
+    def __exit__(self, tp, exc, tb) -> bool:
+        return self._exit(tp, exc, tb)  # type: ignore[attr-defined]
+
+
+_StepCore = PyStepCore if _CompiledStepCore is None else _CompiledStepCore
+
+
+class _Step(_StepCore):  # type: ignore[misc,valid-type]
+    """What :meth:`DeviceCopier.step` returns: ``begin()`` on entry; on exit ``flush()``
+    (a graph step: left for its replay), ``discard()`` on an exception (a class, not a
+    generator: about a microsecond a step less on the GPU's host; its common case is
+    compiled, see :class:`PyStepCore`)."""
+
+    __slots__ = ()
+
+    def _enter(self) -> DeviceCopier:
         c = self._copier
         graph = self._graph
         if c._closed or (c._in_step and c._owner != _get_ident()):
@@ -109,7 +133,7 @@ class _Step:
         c._stepping = True
         return c
 
-    def __exit__(self, tp, exc, tb) -> bool:
+    def _exit(self, tp, exc, tb) -> bool:
         c = self._copier
         c._stepping = False
         if tp is not None:

@@ -782,8 +782,10 @@ WindowMax = None
 #: ``cucopy.ring.PySlotCore`` and ``PyRingCore``'s compiled twins (None with the pure-Python segment)
 SlotCore = None
 RingCore = None
-#: ``cucopy.copier.PyCopierCore``'s compiled twin (None with the pure-Python segment)
+#: ``cucopy.copier.PyCopierCore`` and ``PyStepCore``'s compiled twins (None with the
+#: pure-Python segment)
 CopierCore = None
+StepCore = None
 if not os.environ.get("CUCOPY_PURE_PYTHON"):
     try:
         from . import _segment as _compiled
@@ -804,4 +806,5 @@ if not os.environ.get("CUCOPY_PURE_PYTHON"):
         SlotCore = _compiled.SlotCore
         RingCore = _compiled.RingCore
         CopierCore = _compiled.CopierCore
+        StepCore = _compiled.StepCore
         IMPLEMENTATION = "compiled"
