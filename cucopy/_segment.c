@@ -3314,6 +3314,65 @@ static PyTypeObject StepCoreType = CORE_TYPE(stepcore, StepCore, stepcore_method
     "What DeviceCopier.step() returns, its common case compiled (twin of "
     "cucopy.copier.PyStepCore).");
 
+/* -- Activation: what DeviceCopier.activate() returns, compiled ---------------------
+ * The active copier is a context variable (cucopy.copy routes through it); entering
+ * sets it, leaving resets it to what it was. Twin of cucopy.copier._PyActivation. */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *copier, *var, *token;
+} Activation;
+
+#define ACTIVATION_FIELDS(X) X(copier) X(var) X(token)
+GC_FIELDS(activation, Activation, ACTIVATION_FIELDS)
+
+static int activation_init(Activation *a, PyObject *args, PyObject *kw) {
+    PyObject *copier, *var;
+    if (!PyArg_ParseTuple(args, "OO:Activation", &copier, &var)) return -1;
+    if (!PyContextVar_CheckExact(var)) {
+        PyErr_SetString(PyExc_TypeError, "Activation(copier, var): var is a ContextVar");
+        return -1;
+    }
+    Py_XSETREF(a->copier, Py_NewRef(copier));
+    Py_XSETREF(a->var, Py_NewRef(var));
+    Py_CLEAR(a->token);
+    return 0;
+}
+
+static PyObject *activation_enter(Activation *a, PyObject *unused) {
+    if (!a->var || !a->copier) {
+        PyErr_SetString(PyExc_RuntimeError, "Activation: not initialized");
+        return NULL;
+    }
+    PyObject *token = PyContextVar_Set(a->var, a->copier);
+    if (!token) return NULL;
+    Py_XSETREF(a->token, token);
+    return Py_NewRef(a->copier);
+}
+
+static PyObject *activation_exit(Activation *a, PyObject *const *args, Py_ssize_t nargs) {
+    PyObject *token = a->token;
+    a->token = NULL;
+    if (token) {
+        int r = PyContextVar_Reset(a->var, token);
+        Py_DECREF(token);
+        if (r < 0) return NULL;
+    }
+    Py_RETURN_FALSE;
+}
+
+static PyMethodDef activation_methods[] = {
+    {"__enter__", (PyCFunction)activation_enter, METH_NOARGS, "Activate; the copier."},
+    {"__exit__", (PyCFunction)(void (*)(void))activation_exit, METH_FASTCALL,
+     "Restore the copier active before; False."},
+    {NULL},
+};
+
+static PyMemberDef activation_members[] = {{NULL}};
+
+static PyTypeObject ActivationType = CORE_TYPE(activation, Activation, activation_methods,
+    "What DeviceCopier.activate() returns (compiled twin of cucopy.copier._PyActivation).");
+
 static struct PyModuleDef moduledef = {
     PyModuleDef_HEAD_INIT, "cucopy._segment",
     "The open segment, compiled (twin of cucopy.segment.PySegment).", -1, NULL,
@@ -3325,7 +3384,9 @@ PyMODINIT_FUNC PyInit__segment(void) {
         PyType_Ready(&FastRouteType) < 0 || PyType_Ready(&WindowMaxType) < 0 ||
         PyType_Ready(&SlotCoreType) < 0 || PyType_Ready(&RingCoreType) < 0 ||
         PyType_Ready(&CopierCoreType) < 0 || (StepCoreType.tp_init = (initproc)stepcore_init,
-                                               PyType_Ready(&StepCoreType) < 0))
+                                               PyType_Ready(&StepCoreType) < 0) ||
+        (ActivationType.tp_init = (initproc)activation_init,
+         PyType_Ready(&ActivationType) < 0))
         return NULL;
     s_copy = PyUnicode_InternFromString("copy");
     if (!s_copy) return NULL;
@@ -3375,7 +3436,8 @@ PyMODINIT_FUNC PyInit__segment(void) {
         PyModule_AddObjectRef(m, "SlotCore", (PyObject *)&SlotCoreType) < 0 ||
         PyModule_AddObjectRef(m, "RingCore", (PyObject *)&RingCoreType) < 0 ||
         PyModule_AddObjectRef(m, "CopierCore", (PyObject *)&CopierCoreType) < 0 ||
-        PyModule_AddObjectRef(m, "StepCore", (PyObject *)&StepCoreType) < 0) {
+        PyModule_AddObjectRef(m, "StepCore", (PyObject *)&StepCoreType) < 0 ||
+        PyModule_AddObjectRef(m, "Activation", (PyObject *)&ActivationType) < 0) {
         Py_DECREF(m);
         return NULL;
     }

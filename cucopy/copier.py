@@ -15,6 +15,7 @@ from .feed import GraphFeed
 from .plan import CopyPlan
 from .ring import DEMAND_WINDOW, StagingRing, WindowMax, free_orphans, orphan
 from .segment import BARRIER, FULL, ORDER, Segment, fits_shape
+from .segment import Activation as _CompiledActivation
 from .segment import CopierCore as _CompiledCopierCore
 from .segment import FastCopy as _FastCopy
 from .segment import FastRoute as _FastRoute
@@ -154,24 +155,31 @@ class _Step(_StepCore):  # type: ignore[misc,valid-type]
         return False
 
 
-class _Activation:
-    """What :meth:`DeviceCopier.activate` returns: the copier active inside the block."""
+class _PyActivation:
+    """What :meth:`DeviceCopier.activate` returns: the copier active inside the block
+    (``var``, the context variable :func:`cucopy.copy` routes through, set on entry and
+    reset on exit). The pure-Python reference; ``cucopy._segment.Activation`` is its
+    compiled twin."""
 
-    __slots__ = ("_copier", "_token")
+    __slots__ = ("_copier", "_var", "_token")
 
-    def __init__(self, copier: DeviceCopier):
+    def __init__(self, copier: DeviceCopier, var: contextvars.ContextVar):
         self._copier = copier
+        self._var = var
         self._token = None
 
     def __enter__(self) -> DeviceCopier:
-        self._token = _active.set(self._copier)
+        self._token = self._var.set(self._copier)
         return self._copier
 
     def __exit__(self, *exc) -> bool:
         token, self._token = self._token, None
         if token is not None:
-            _active.reset(token)
+            self._var.reset(token)
         return False
+
+
+_Activation = _PyActivation if _CompiledActivation is None else _CompiledActivation
 
 
 class PyCopierCore:
@@ -804,13 +812,13 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
         st.bytes_staged += total
         seg.finish()
 
-    def activate(self) -> _Activation:
+    def activate(self) -> _PyActivation:
         """Make this the active copier for :func:`cucopy.copy` in this thread / task.
 
         Use it as ``with copier.activate():``; leaving the block restores the copier
         that was active before (a class, not a generator: cheaper per step).
         """
-        return _Activation(self)
+        return _Activation(self, _active)
 
     # -- validation ----------------------------------------------------------------------
 

@@ -786,6 +786,8 @@ RingCore = None
 #: pure-Python segment)
 CopierCore = None
 StepCore = None
+#: ``cucopy.copier._PyActivation``'s compiled twin (None with the pure-Python segment)
+Activation = None
 if not os.environ.get("CUCOPY_PURE_PYTHON"):
     try:
         from . import _segment as _compiled
@@ -807,4 +809,5 @@ if not os.environ.get("CUCOPY_PURE_PYTHON"):
         RingCore = _compiled.RingCore
         CopierCore = _compiled.CopierCore
         StepCore = _compiled.StepCore
+        Activation = _compiled.Activation
         IMPLEMENTATION = "compiled"
