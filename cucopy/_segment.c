@@ -3219,9 +3219,9 @@ static PyMemberDef copiercore_members[] = {
     MEMBER("stats", stats) MEMBER("_cap_query", cap_query) MEMBER("_cap_arg", cap_arg)
     MEMBER("_launcher", launcher) MEMBER("_handle", handle) MEMBER("_carry_max", carry_max)
     MEMBER("flush_mode", flush_mode)
-    {"fast_begins", T_LONGLONG, offsetof(CopierCore, fast_begins), READONLY,
+    {"_fast_begins", T_LONGLONG, offsetof(CopierCore, fast_begins), READONLY,
      "Steps begun by _begin_fast."},
-    {"fast_flushes", T_LONGLONG, offsetof(CopierCore, fast_flushes), READONLY,
+    {"_fast_flushes", T_LONGLONG, offsetof(CopierCore, fast_flushes), READONLY,
      "Segments landed by _flush_fast."},
     {NULL},
 };

@@ -217,12 +217,12 @@ class PyCopierCore:
     )
 
     @property
-    def fast_begins(self) -> int:
+    def _fast_begins(self) -> int:
         """Steps :meth:`_begin_fast` opened (always 0 here: it opens none)."""
         return 0
 
     @property
-    def fast_flushes(self) -> int:
+    def _fast_flushes(self) -> int:
         """Segments :meth:`_flush_fast` landed (always 0 here: it lands none)."""
         return 0
 

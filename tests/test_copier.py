@@ -836,7 +836,7 @@ def test_begin_opens_the_common_step_in_one_compiled_call(sim_env):
     assert sim_env.to_host(a).tolist() == [9] * 8
     assert c.stats.steps == 10 and c.stats.segments == 10
     # the Python body makes each of the ring's 2 slots the first time round
-    assert c.fast_begins == (8 if _compiled_core() else 0)
+    assert c._fast_begins == (8 if _compiled_core() else 0)
     c.close()
 
 
@@ -865,9 +865,9 @@ def test_begin_fast_declines_without_changing_anything(sim_env, monkeypatch, why
         t.join()
     else:
         c._ring.current.dirty = True  # the ring's step would record its event first
-    before, fast = _step_state(c), c.fast_begins
+    before, fast = _step_state(c), c._fast_begins
     assert c._begin_fast() is False
-    assert _step_state(c) == before and c.fast_begins == fast
+    assert _step_state(c) == before and c._fast_begins == fast
     if why == "other_thread":
         with pytest.raises(cc.CopyError, match="belongs to another thread"):
             c.begin()  # the Python body reports it

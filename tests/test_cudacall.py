@@ -427,10 +427,10 @@ def test_a_copier_given_a_launcher_lands_what_scatter_would(mode):
         assert len(fake.launches) == 8
         # each through flush()'s compiled common case (CopierCore._flush_fast)
         compiled = copier_mod._CopierCore is not copier_mod.PyCopierCore
-        assert c.fast_flushes == (8 if compiled else 0)
+        assert c._fast_flushes == (8 if compiled else 0)
     if mode in ("mapped", "dma"):
         assert fake.launches == []
-        assert c.fast_flushes == 0
+        assert c._fast_flushes == 0
     c.close()
 
 
@@ -459,9 +459,9 @@ def test_flush_fast_declines_without_cutting(monkeypatch, why):
     c.copy(Site.A, a, np.full(64, 5, np.int32))
     if why == "capturing":
         monkeypatch.setattr(c, "_cap_query", lambda arg: 1)
-    staged, cursor, flushes = c.staged, c._seg.cursor, c.fast_flushes
+    staged, cursor, flushes = c.staged, c._seg.cursor, c._fast_flushes
     assert c._flush_fast() is False
-    assert (c.staged, c._seg.cursor, c.fast_flushes) == (staged, cursor, flushes)
+    assert (c.staged, c._seg.cursor, c._fast_flushes) == (staged, cursor, flushes)
     c.flush()  # flush()'s Python body lands it
     dev.synchronize()
     assert dev.to_host(a).tolist() == [5] * 64 and problems == []
@@ -478,7 +478,7 @@ def test_flush_fast_lands_what_it_cut_through_the_python_path_when_too_large():
         c.copy(Site.A, big, want)
     dev.synchronize()
     assert np.array_equal(dev.to_host(big), want) and problems == []
-    assert fake.launches == [] and c.fast_flushes == 0
+    assert fake.launches == [] and c._fast_flushes == 0
     assert c.stats.segments == 1 and c.stats.modes["inline"] == 0
     assert c._ring.current.recorded  # mapped or dma: its event follows the launch
     c.close()
@@ -494,7 +494,7 @@ def test_flush_fast_leaves_an_eager_copys_event_to_the_python_body():
     with c.step():
         c.copy(Site.E, b, np.full(16, 4, np.int32))  # not merged: an eager copy, slot dirty
         c.copy(Site.A, a, np.full(16, 6, np.int32))
-    assert c.fast_flushes == 2 and len(fake.launches) == 2
+    assert c._fast_flushes == 2 and len(fake.launches) == 2
     assert c._ring.current.recorded and not c._ring.current.dirty
     dev.synchronize()
     assert dev.to_host(a).tolist() == [6] * 16 and dev.to_host(b).tolist() == [4] * 16
