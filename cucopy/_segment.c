@@ -3007,24 +3007,31 @@ static PyTypeObject RingCoreType = CORE_TYPE(ringcore, RingCore, ringcore_method
  * backend's cheapest form of the query), and the ring's common step
  * (``RingCore.advance_fast``) taken. It checks all of that before changing anything
  * and returns False when any of it fails: ``begin()`` then runs its Python body,
- * whole. It returns True when the step is open. */
+ * whole. It returns True when the step is open.
+ *
+ * These types (SlotCore, RingCore, CopierCore, StepCore, Activation) are the ring's
+ * and the copier's compiled parts, built into this module so that one extension holds
+ * the whole per-step path; they import nothing: the copier hands them what they read
+ * (the check module, the capture query, the launcher). */
 
 typedef struct {
     PyObject_HEAD
     PyObject *closed, *in_step, *owner, *seg, *checker, *feed, *feed_pending, *capturing;
     PyObject *ring, *slot, *tables, *cap_for, *cap, *stepping, *stats, *cap_query, *cap_arg;
     PyObject *launcher, *handle, *carry_max, *flush_mode; /* what a carried flush needs */
+    PyObject *check_mod; /* cucopy.check, handed in by the copier (CHECK_MODE is read) */
     long long fast_begins, fast_flushes;
 } CopierCore;
 
 #define COPIER_FIELDS(X) X(closed) X(in_step) X(owner) X(seg) X(checker) X(feed) \
     X(feed_pending) X(capturing) X(ring) X(slot) X(tables) X(cap_for) X(cap) X(stepping) \
-    X(stats) X(cap_query) X(cap_arg) X(launcher) X(handle) X(carry_max) X(flush_mode)
+    X(stats) X(cap_query) X(cap_arg) X(launcher) X(handle) X(carry_max) X(flush_mode) \
+    X(check_mod)
 
 GC_FIELDS(copiercore, CopierCore, COPIER_FIELDS)
 
 
-static PyObject *check_module, *s_check_mode, *s_steps, *one_obj;
+static PyObject *s_check_mode, *s_steps, *one_obj;
 
 /* 1: not capturing; 0: capturing, or cannot tell (the Python path asks again) */
 static int not_capturing(CopierCore *c) {
@@ -3063,14 +3070,8 @@ static PyObject *copiercore_begin_fast(CopierCore *c, PyObject *unused) {
     }
     Segment *seg = (Segment *)c->seg;
     if (PyList_GET_SIZE(seg->entries)) Py_RETURN_FALSE; /* staged: flushed first */
-    if (!check_module) {
-        check_module = PyImport_ImportModule("cucopy.check");
-        if (!check_module) {
-            PyErr_Clear();
-            Py_RETURN_FALSE;
-        }
-    }
-    PyObject *mode = PyObject_GetAttr(check_module, s_check_mode);
+    if (!c->check_mod) Py_RETURN_FALSE;
+    PyObject *mode = PyObject_GetAttr(c->check_mod, s_check_mode);
     if (!mode) {
         PyErr_Clear();
         Py_RETURN_FALSE;
@@ -3218,7 +3219,7 @@ static PyMemberDef copiercore_members[] = {
     MEMBER("_cap_for", cap_for) MEMBER("_cap", cap) MEMBER("_stepping", stepping)
     MEMBER("stats", stats) MEMBER("_cap_query", cap_query) MEMBER("_cap_arg", cap_arg)
     MEMBER("_launcher", launcher) MEMBER("_handle", handle) MEMBER("_carry_max", carry_max)
-    MEMBER("flush_mode", flush_mode)
+    MEMBER("flush_mode", flush_mode) MEMBER("_check_mod", check_mod)
     {"_fast_begins", T_LONGLONG, offsetof(CopierCore, fast_begins), READONLY,
      "Steps begun by _begin_fast."},
     {"_fast_flushes", T_LONGLONG, offsetof(CopierCore, fast_flushes), READONLY,

@@ -212,6 +212,7 @@ class PyCopierCore:
         "_handle",
         "_carry_max",
         "flush_mode",
+        "_check_mod",
         "__dict__",
         "__weakref__",
     )
@@ -342,8 +343,10 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
         # waiting for its peers). A copier is made before such phases.
         caps = self._backend.carry_capacities()
         self._carry_max = caps[-1] if caps else 0
-        # the capture query begin() makes (compiled on CUDA once the kernels are loaded)
+        # the capture query begin() makes (compiled on CUDA once the kernels are loaded),
+        # and the module whose CHECK_MODE the compiled begin() reads
         self._cap_query, self._cap_arg = self._backend.capture_query(self._stream)
+        self._check_mod = check
         # the compiled carried launch the staging core makes in the call that cuts a
         # segment (None: cut, then the backend's scatter())
         self._launcher = self._backend.carried_launcher() if self._handle is not None else None
