@@ -3258,11 +3258,18 @@ static int stepcore_init(StepCore *st, PyObject *args, PyObject *kw) {
     return 0;
 }
 
-static PyObject *s_enter, *s_exit, *s_flush;
+static PyObject *s_enter, *s_exit, *s_flush, *s_begin;
+static PyObject *plain_begin; /* DeviceCopier.begin: a subclass that overrides it is called */
+
+static PyObject *stepcore_plain_begin(PyObject *type, PyObject *func) {
+    Py_XSETREF(plain_begin, Py_NewRef(func));
+    Py_RETURN_NONE;
+}
 
 static PyObject *stepcore_enter(StepCore *st, PyObject *unused) {
     PyObject *o = st->copier;
-    if (o && st->graph == Py_None && PyObject_TypeCheck(o, &CopierCoreType)) {
+    if (o && st->graph == Py_None && PyObject_TypeCheck(o, &CopierCoreType) && plain_begin &&
+        _PyType_Lookup(Py_TYPE(o), s_begin) == plain_begin) {
         CopierCore *c = (CopierCore *)o;
         if (c->stepping == Py_False && c->closed == Py_False) {
             PyObject *r = copiercore_begin_fast(c, NULL);
@@ -3299,6 +3306,9 @@ static PyObject *stepcore_exit(StepCore *st, PyObject *const *args, Py_ssize_t n
 }
 
 static PyMethodDef stepcore_methods[] = {
+    {"_plain_begin", (PyCFunction)stepcore_plain_begin, METH_O | METH_CLASS,
+     "_plain_begin(DeviceCopier.begin): __enter__'s compiled path runs only for a copier "
+     "whose begin() is this one (a subclass's own begin() is called)."},
     {"__enter__", (PyCFunction)stepcore_enter, METH_NOARGS, "begin(); the copier."},
     {"__exit__", (PyCFunction)(void (*)(void))stepcore_exit, METH_FASTCALL,
      "flush(), or discard() on an exception; False."},
@@ -3396,6 +3406,8 @@ PyMODINIT_FUNC PyInit__segment(void) {
     s_unchanged = PyUnicode_InternFromString("unchanged");
     s_on_drop = PyUnicode_InternFromString("on_drop");
     if (!s_seg || !s_after_barrier || !s_unchanged || !s_on_drop) return NULL;
+    s_begin = PyUnicode_InternFromString("begin");
+    if (!s_begin) return NULL;
     s_enter = PyUnicode_InternFromString("_enter");
     s_exit = PyUnicode_InternFromString("_exit");
     s_flush = PyUnicode_InternFromString("flush");

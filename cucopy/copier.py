@@ -1489,6 +1489,11 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
 
 _active: contextvars.ContextVar = contextvars.ContextVar("cucopy_active_copier", default=None)
 
+if _CompiledStepCore is not None:
+    # step()'s compiled entry opens the step itself only for this begin(); a subclass
+    # that overrides begin() has its own called
+    _CompiledStepCore._plain_begin(DeviceCopier.begin)
+
 
 _patterns: dict = {}
 

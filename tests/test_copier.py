@@ -876,3 +876,27 @@ def test_begin_fast_declines_without_changing_anything(sim_env, monkeypatch, why
     c.begin()  # the Python body opens the step
     c.flush()
     c.close()
+
+
+def test_step_calls_a_subclass_own_begin_and_flush(sim_env):
+    # step()'s compiled entry and exit run the copier's begin() and flush() when a
+    # subclass overrides them
+    calls = []
+
+    class Logged(cc.DeviceCopier):
+        def begin(self):
+            calls.append("begin")
+            super().begin()
+
+        def flush(self):
+            calls.append("flush")
+            super().flush()
+
+    c = Logged(PLAN, stream=sim_env.default_stream, device=sim_env.dev, backend="sim")
+    a = sim_env.empty((8,))
+    for i in range(3):
+        with c.step():
+            c.copy(Site.POS, a, np.full(8, i, np.int32))
+    assert calls == ["begin", "flush"] * 3
+    assert sim_env.to_host(a).tolist() == [2] * 8
+    c.close()
