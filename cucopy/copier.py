@@ -568,8 +568,10 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
         try:
             done = self._flush_fast()  # the common case, compiled (PyCopierCore._flush_fast)
         except BaseException as exc:
-            entries = self._seg.entries
-            raise self._flush_error(entries, exc) from exc
+            err = self._flush_error(self._seg.entries, exc)
+            if err is exc:
+                raise
+            raise err from exc
         if done is True:
             return
         if done is not False:  # cut, not launched carried whole: land it by its mode's path
@@ -1395,7 +1397,7 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
         """A flush of ``entries`` failed with ``exc``: drop the segment, return what to raise."""
         self._drop_segment(entries)
         if isinstance(exc, CopyError) or not isinstance(exc, Exception):
-            return exc  # a CopyError already names the site; KeyboardInterrupt stays one
+            return exc  # re-raised as it is
         return CopyError(
             f"{_label(entries[0].site)}: flushing {len(entries)} staged copies "
             f"failed: {exc!r}; their on_drop callbacks ran"
@@ -1448,7 +1450,10 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
                 how = self._land(start, end, nblocks, n, mode, cmax, slot, pin)
                 total = end - start
         except BaseException as exc:
-            raise self._flush_error(entries, exc) from exc
+            err = self._flush_error(entries, exc)
+            if err is exc:
+                raise  # a CopyError already names the site; KeyboardInterrupt stays one
+            raise err from exc
         if how != "inline":
             # the launch reads the slot when it runs: the slot's event must follow it.
             # An inline launch took its bytes at enqueue, so it needs no event (one

@@ -494,3 +494,26 @@ class _nothing:
 
     def __exit__(self, *exc):
         return False
+
+
+@pytest.mark.parametrize("flush_mode", ["dma", "mapped"])
+def test_a_copy_error_from_the_flush_is_raised_as_it_is(flush_mode):
+    # a CopyError (it names the site already) comes out of flush() as raised, not
+    # chained to itself; the segment is dropped and the copier goes on
+    r = Rig("eager", flush_mode=flush_mode)
+    dev, c = r.dev, r.copier
+    a = dev.empty((8,), np.int32)
+    boom = cc.CopyError("Site.POS: the backend refused the launch")
+
+    def refuse(*args, **kw):
+        raise boom
+
+    real = r.be.scatter
+    r.be.scatter = refuse
+    with pytest.raises(cc.CopyError) as ei:
+        with c.step():
+            c.copy(Site.POS, a, np.full(8, 2, np.int32), on_drop=r.drop("a"))
+    assert ei.value is boom and ei.value.__cause__ is None
+    assert r.dropped == ["a"]
+    r.be.scatter = real
+    r.assert_next_step_lands()
