@@ -253,10 +253,11 @@ class PyCopierCore:
 
         The compiled twin opens the step when the copier is open and the step its
         thread's, nothing is staged, check mode is off, the stream is not capturing
-        (``_cap_query(_cap_arg)``, the backend's :meth:`~cucopy.backends.base.Backend.capture_query`)
-        and the ring's common step (:meth:`cucopy.ring.PyRingCore.advance_fast`) is
-        taken; it checks everything before changing anything. This reference always
-        returns False: the body is the same step.
+        (``_cap_query(_cap_arg)``, from the backend's
+        :meth:`~cucopy.backends.base.Backend.capture_query`) and the ring's common
+        step (:meth:`cucopy.ring.PyRingCore.advance_fast`) is taken; it checks
+        everything before changing anything. This reference always returns False: the
+        body is the same step.
 
         Returns
         -------

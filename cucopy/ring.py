@@ -196,11 +196,11 @@ class PyRingCore:
 
         The compiled twin takes it when the previous slot is clean, the next one idle
         (not recorded, or its event complete; no temporaries) and sized for the demand
-        the ring last sized for: it acquires the slot, binds ``seg`` to it and sets the table reservation
-        from ``tables`` as :meth:`cucopy.copier.DeviceCopier._advance` does, and
-        returns ``(slot, cap_for, cap)``. It checks everything before changing
-        anything. This reference always returns None: the Python path is the same
-        step.
+        the ring last sized for: it acquires the slot, binds ``seg`` to it and sets
+        the table reservation from ``tables`` as
+        :meth:`cucopy.copier.DeviceCopier._advance` does, and returns
+        ``(slot, cap_for, cap)``. It checks everything before changing anything. This
+        reference always returns None: the Python path is the same step.
 
         Parameters
         ----------
