@@ -3291,7 +3291,8 @@ static PyObject *stepcore_exit(StepCore *st, PyObject *const *args, Py_ssize_t n
     }
     PyObject *o = st->copier;
     if (args[0] != Py_None || st->graph != Py_None || !o ||
-        !PyObject_TypeCheck(o, &CopierCoreType) || Py_TYPE(((CopierCore *)o)->seg) != &SegmentType)
+        !PyObject_TypeCheck(o, &CopierCoreType) || !((CopierCore *)o)->seg ||
+        Py_TYPE(((CopierCore *)o)->seg) != &SegmentType)
         return PyObject_VectorcallMethod(
             s_exit, (PyObject *[]){(PyObject *)st, args[0], args[1], args[2]}, 4, NULL);
     CopierCore *c = (CopierCore *)o;
