@@ -39,6 +39,13 @@ enum { MISS = 0, STAGED = 1, BARRIER = 2, FULL = -1, ORDER = -2 };
 
 static PyObject *ndarray_type; /* numpy.ndarray */
 
+/* tp_dealloc of a GC type whose tp_clear releases every field it holds */
+static void cleared_dealloc(PyObject *o) {
+    PyObject_GC_UnTrack(o);
+    Py_TYPE(o)->tp_clear(o);
+    Py_TYPE(o)->tp_free(o);
+}
+
 /* The leading fields of a NumPy array object (PyArrayObject_fields, numpy/ndarraytypes.h,
  * the same in NumPy 1.x and 2.x: part of its C ABI). Read only for exact ndarrays. */
 typedef struct {
@@ -236,12 +243,6 @@ static int entry_clear(Entry *e) {
     return 0;
 }
 
-static void entry_dealloc(Entry *e) {
-    PyObject_GC_UnTrack(e);
-    entry_clear(e);
-    Py_TYPE(e)->tp_free((PyObject *)e);
-}
-
 /* Entries no one else holds any more, cleared, kept for the next steps: a copy
  * allocates no GC-tracked object on the fast path, so its steps do not set off the
  * garbage collector's young-generation passes (one every ~700 allocations, which
@@ -313,7 +314,7 @@ static PyTypeObject EntryType = {
     .tp_doc = "One staged copy's bookkeeping: site, drop callbacks, ranges, check data.",
     .tp_traverse = (traverseproc)entry_traverse,
     .tp_clear = (inquiry)entry_clear,
-    .tp_dealloc = (destructor)entry_dealloc,
+    .tp_dealloc = cleared_dealloc,
     .tp_members = entry_members,
 };
 
@@ -2046,12 +2047,6 @@ static int fastcopy_clear(FastCopy *f) {
     return 0;
 }
 
-static void fastcopy_dealloc(FastCopy *f) {
-    PyObject_GC_UnTrack(f);
-    fastcopy_clear(f);
-    Py_TYPE(f)->tp_free((PyObject *)f);
-}
-
 static PyObject *fastcopy_get(PyObject *f, PyObject *obj, PyObject *type) {
     if (!obj || obj == Py_None) return Py_NewRef(f);
     return PyMethod_New(f, obj);
@@ -2085,7 +2080,7 @@ static PyTypeObject FastCopyType = {
     .tp_getattro = (getattrofunc)fastcopy_getattro,
     .tp_traverse = (traverseproc)fastcopy_traverse,
     .tp_clear = (inquiry)fastcopy_clear,
-    .tp_dealloc = (destructor)fastcopy_dealloc,
+    .tp_dealloc = cleared_dealloc,
     .tp_new = fastcopy_new,
 };
 
@@ -2148,12 +2143,6 @@ static int fastroute_clear(FastRoute *f) {
     return 0;
 }
 
-static void fastroute_dealloc(FastRoute *f) {
-    PyObject_GC_UnTrack(f);
-    fastroute_clear(f);
-    Py_TYPE(f)->tp_free((PyObject *)f);
-}
-
 static PyObject *fastroute_getattro(FastRoute *f, PyObject *name) {
     if (PyUnicode_CompareWithASCIIString(name, "__doc__") == 0)
         return PyObject_GetAttr(f->fallback, name);
@@ -2176,7 +2165,7 @@ static PyTypeObject FastRouteType = {
     .tp_getattro = (getattrofunc)fastroute_getattro,
     .tp_traverse = (traverseproc)fastroute_traverse,
     .tp_clear = (inquiry)fastroute_clear,
-    .tp_dealloc = (destructor)fastroute_dealloc,
+    .tp_dealloc = cleared_dealloc,
     .tp_new = fastroute_new,
 };
 
@@ -2215,12 +2204,6 @@ static int core_clear(BufferCore *b) {
     return 0;
 }
 
-static void core_dealloc(BufferCore *b) {
-    PyObject_GC_UnTrack(b);
-    core_clear(b);
-    Py_TYPE(b)->tp_free((PyObject *)b);
-}
-
 static PyMemberDef core_members[] = {
     {"_fsite", T_OBJECT, offsetof(BufferCore, fsite), 0, "The H2D site, or None."},
     {"_fdtype", T_OBJECT, offsetof(BufferCore, fdtype), 0, "The buffer's dtype."},
@@ -2243,7 +2226,7 @@ static PyTypeObject BufferCoreType = {
     .tp_doc = "The fields DeviceCopyBuffer.update()'s fast path reads (base class).",
     .tp_traverse = (traverseproc)core_traverse,
     .tp_clear = (inquiry)core_clear,
-    .tp_dealloc = (destructor)core_dealloc,
+    .tp_dealloc = cleared_dealloc,
     .tp_members = core_members,
     .tp_new = PyType_GenericNew,
 };
@@ -2579,12 +2562,6 @@ static int fastupdate_clear(FastUpdate *f) {
     return 0;
 }
 
-static void fastupdate_dealloc(FastUpdate *f) {
-    PyObject_GC_UnTrack(f);
-    fastupdate_clear(f);
-    Py_TYPE(f)->tp_free((PyObject *)f);
-}
-
 static PyObject *fastupdate_getattro(FastUpdate *f, PyObject *name) {
     return wrapper_getattro((PyObject *)f, f->full, name);
 }
@@ -2602,7 +2579,7 @@ static PyTypeObject FastUpdateType = {
     .tp_getattro = (getattrofunc)fastupdate_getattro,
     .tp_traverse = (traverseproc)fastupdate_traverse,
     .tp_clear = (inquiry)fastupdate_clear,
-    .tp_dealloc = (destructor)fastupdate_dealloc,
+    .tp_dealloc = cleared_dealloc,
     .tp_new = fastupdate_new,
 };
 
@@ -2810,12 +2787,6 @@ GC_FIELDS(slotcore, SlotCore, SLOT_FIELDS)
         .tp_new = PyType_GenericNew,                                         \
     }
 
-/* tp_dealloc of the GC types below, whose tp_clear releases every field */
-static void cleared_dealloc(PyObject *o) {
-    PyObject_GC_UnTrack(o);
-    Py_TYPE(o)->tp_clear(o);
-    Py_TYPE(o)->tp_free(o);
-}
 
 static PyMemberDef slotcore_members[] = {
     {"size", T_OBJECT_EX, offsetof(SlotCore, size), 0, "Bytes of each buffer."},
@@ -3051,23 +3022,26 @@ static int not_capturing(CopierCore *c) {
     return idle;
 }
 
+/* 1: no step is open, or the open one is thread me's (as the Python
+ * ``not (c._in_step and c._owner != me)``); 0: another thread's, or not plain fields */
+static int step_is_callers(CopierCore *c, unsigned long me) {
+    if (c->in_step == Py_False) return 1;
+    if (c->in_step != Py_True || !c->owner || !PyLong_CheckExact(c->owner)) return 0;
+    unsigned long owner = PyLong_AsUnsignedLong(c->owner);
+    if (PyErr_Occurred()) {
+        PyErr_Clear();
+        return 0;
+    }
+    return owner == me;
+}
+
 static PyObject *copiercore_begin_fast(CopierCore *c, PyObject *unused) {
     if (c->closed != Py_False || !c->seg || Py_TYPE(c->seg) != &SegmentType ||
         c->checker != Py_None || !c->ring || !PyObject_TypeCheck(c->ring, &RingCoreType) ||
         !c->stats)
         Py_RETURN_FALSE;
     unsigned long me = PyThread_get_thread_ident();
-    if (c->in_step == Py_True) {
-        if (!c->owner || !PyLong_CheckExact(c->owner)) Py_RETURN_FALSE;
-        unsigned long owner = PyLong_AsUnsignedLong(c->owner);
-        if (PyErr_Occurred()) {
-            PyErr_Clear();
-            Py_RETURN_FALSE;
-        }
-        if (owner != me) Py_RETURN_FALSE;
-    } else if (c->in_step != Py_False) {
-        Py_RETURN_FALSE;
-    }
+    if (!step_is_callers(c, me)) Py_RETURN_FALSE;
     Segment *seg = (Segment *)c->seg;
     if (PyList_GET_SIZE(seg->entries)) Py_RETURN_FALSE; /* staged: flushed first */
     if (!c->check_mod) Py_RETURN_FALSE;
@@ -3146,17 +3120,7 @@ static PyObject *copiercore_flush_fast(CopierCore *c, PyObject *unused) {
         !PyObject_TypeCheck(c->slot, &SlotCoreType) || !c->ring ||
         !PyObject_TypeCheck(c->ring, &RingCoreType) || !c->stats)
         Py_RETURN_FALSE;
-    if (c->in_step == Py_True) {
-        if (!c->owner || !PyLong_CheckExact(c->owner)) Py_RETURN_FALSE;
-        unsigned long owner = PyLong_AsUnsignedLong(c->owner);
-        if (PyErr_Occurred()) {
-            PyErr_Clear();
-            Py_RETURN_FALSE;
-        }
-        if (owner != PyThread_get_thread_ident()) Py_RETURN_FALSE;
-    } else if (c->in_step != Py_False) {
-        Py_RETURN_FALSE;
-    }
+    if (!step_is_callers(c, PyThread_get_thread_ident())) Py_RETURN_FALSE;
     Segment *seg = (Segment *)c->seg;
     SlotCore *slot = (SlotCore *)c->slot;
     if (!PyList_GET_SIZE(seg->entries) || !seg->bound || seg->slot != c->slot || !slot->base)
