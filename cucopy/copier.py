@@ -784,21 +784,13 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
                 posted = True
                 how = "graph"
             else:
-                # an ordinary launch right before the replay: a table larger than an
-                # entry, or an entry an earlier replay may still read
+                # an ordinary launch right before the replay (a table larger than an
+                # entry, or an entry an earlier replay may still read): carried whole,
+                # or read mapped
                 feed.fallbacks += 1
                 cmax = self._carry_max
-                if total <= cmax:
-                    be.scatter(
-                        pin.device_ptr + start, nblocks, self._stream, True, total, pin.ptr + start
-                    )
-                    how = "inline"
-                else:
-                    carry = pack.align(head) if head <= cmax else 0
-                    be.scatter(
-                        pin.device_ptr + start, nblocks, self._stream, True, carry, pin.ptr + start
-                    )
-                    how = "mapped"
+                mode = "inline" if total <= cmax else "mapped"
+                how = self._land(start, end, nblocks, n, mode, cmax, slot, pin)
             slot.dirty = True  # read when the replay runs: the slot's event follows it
             be.graph_launch(graph, self._stream)
         except BaseException as exc:
@@ -1429,8 +1421,8 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
         checker = self._checker
         mode = self.flush_mode
         cmax = self._carry_max
-        pin = slot.pinned
         try:
+            pin = slot.pinned
             if cut is None:
                 if checker is not None:
                     checker.before_flush(entries)
