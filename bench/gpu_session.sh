@@ -152,6 +152,8 @@ step hot_path 40 "$PY" bench/probes/hot_path.py --n 32
 step step_phases 60 "$PY" bench/probes/step_phases.py --n 32
 step step_phases_n 60 bash -c "for n in 8 128; do \"$PY\" bench/probes/step_phases.py --n \$n --steps 1000 | grep -E '^N='; done"
 # a copy's host cost as a multiple of an empty call (simulated device, both staging paths)
+# the driver's own host cost of one launch (and other stream operations), from C
+step launch_floor 40 "$PY" bench/probes/launch_floor.py --json "$work/bench/launch_floor.json"
 step host_ratio 60 "$PY" bench/host_ratio.py --steps 1000 --json "$work/bench/host_ratio.json"
 # issue 15: the graph feed's mailbox node against per-step parameter updates and
 # today's separate inline launch (GPU periods behind a stall, host us per step)
