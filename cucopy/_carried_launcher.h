@@ -1,18 +1,33 @@
 /* The carried scatter launch as a C function: made by the CUDA backend's compiled
  * driver calls (cucopy/backends/_cudacall.c, Driver.launcher()) and called by the
- * compiled staging core at flush (cucopy/_segment.c, Segment.flush_carried), handed
- * from one extension module to the other in a capsule of this name whose pointer is
- * this struct. carried() returns the CUresult, or a negative value when it launched
- * nothing (no capacity holds nbytes, a grid out of range, or another context current). */
+ * compiled staging core at flush (cucopy/_segment.c, Segment.flush_carried and
+ * CopierCore._flush_fast), handed from one extension module to the other in a capsule
+ * of this name whose pointer is this struct.
+ *
+ * carried() returns the CUresult, or a negative value when it launched nothing (no
+ * capacity holds nbytes, a grid out of range, or another context current). With
+ * nbytes smaller than the segment, the kernel reads the rest of it at seg when it runs
+ * (a mapped launch carrying its header and table).
+ *
+ * record() and query() are cuEventRecord and cuEventQuery on a raw event handle (the
+ * slot's event, for a launch that reads the slot when it runs): each returns the
+ * CUresult (query: 0 complete, 600 not ready), or a negative value when it called
+ * nothing (another context current, or no entry point: record and query may be NULL).
+ * abi is LAUNCHER_ABI: a caller built against another layout uses none of it. */
 #ifndef CUCOPY_CARRIED_LAUNCHER_H
 #define CUCOPY_CARRIED_LAUNCHER_H
 
 #include <stddef.h>
 
+#define LAUNCHER_ABI 2
+
 typedef struct {
     int (*carried)(void *drv, unsigned long long nblocks, unsigned long long stream,
                    unsigned long long seg, const void *host, size_t nbytes);
     void *drv;
+    int abi;
+    int (*record)(void *drv, unsigned long long event, unsigned long long stream);
+    int (*query)(void *drv, unsigned long long event);
 } CarriedLauncher;
 
 #define LAUNCHER_NAME "cucopy.carried_launcher"

@@ -648,6 +648,7 @@ typedef struct {
     PyObject *merge, *barriers, *fills;
     PyObject **ckeys; /* per-site merged counts: an open-addressed table by site identity */
     Py_ssize_t *cvals;
+    unsigned char *cflags; /* the site's plan, once asked: SITE_KNOWN | SITE_MERGE | SITE_BARRIER */
     Py_ssize_t ccap, cused;
     PyObject *slot;
     Py_buffer view; /* the slot's pinned bytes, held while bound */
@@ -658,6 +659,7 @@ typedef struct {
     int64_t peak; /* the largest table cut since the copier last read it */
     DescVec descs;
     PyObject *entries; /* list of Entry */
+    PyObject *spare;   /* an empty list kept with its capacity for the next segment, or NULL */
     Ranges writes, reads;
     PyObject *dcache, *scache; /* id -> Cached */
     PyObject *vtypes;          /* type -> view protocol (see view_geo) */
@@ -667,7 +669,7 @@ typedef struct {
 static int seg_traverse(Segment *s, visitproc visit, void *arg) {
     Py_VISIT(s->merge); Py_VISIT(s->barriers); Py_VISIT(s->fills); Py_VISIT(s->slot);
     for (Py_ssize_t i = 0; i < s->ccap; i++) Py_VISIT(s->ckeys[i]);
-    Py_VISIT(s->entries); Py_VISIT(s->dcache); Py_VISIT(s->scache); Py_VISIT(s->vtypes);
+    Py_VISIT(s->entries); Py_VISIT(s->spare); Py_VISIT(s->dcache); Py_VISIT(s->scache); Py_VISIT(s->vtypes);
     return 0; /* the fronts hold Cached entries only: they reference nothing back */
 }
 
@@ -683,7 +685,7 @@ static int seg_clear(Segment *s) {
     seg_release(s);
     Py_CLEAR(s->merge); Py_CLEAR(s->barriers); Py_CLEAR(s->fills);
     for (Py_ssize_t i = 0; i < s->ccap; i++) Py_CLEAR(s->ckeys[i]);
-    Py_CLEAR(s->entries); Py_CLEAR(s->dcache); Py_CLEAR(s->scache); Py_CLEAR(s->vtypes);
+    Py_CLEAR(s->entries); Py_CLEAR(s->spare); Py_CLEAR(s->dcache); Py_CLEAR(s->scache); Py_CLEAR(s->vtypes);
     front_clear(&s->dfront);
     front_clear(&s->sfront);
     return 0;
@@ -695,6 +697,7 @@ static void seg_dealloc(Segment *s) {
     PyMem_Free(s->descs.v);
     PyMem_Free(s->ckeys);
     PyMem_Free(s->cvals);
+    PyMem_Free(s->cflags);
     PyMem_Free(s->writes.lo); PyMem_Free(s->writes.hi);
     PyMem_Free(s->reads.lo); PyMem_Free(s->reads.hi);
     Py_TYPE(s)->tp_free((PyObject *)s);
@@ -711,6 +714,7 @@ static int seg_init(Segment *s, PyObject *args, PyObject *kw) {
     Py_XSETREF(s->fills, fills);
     Py_XSETREF(s->merge, Py_NewRef(merge));
     Py_XSETREF(s->barriers, Py_NewRef(barriers));
+    if (s->cflags) memset(s->cflags, 0, (size_t)s->ccap); /* another plan: asked again */
     Py_XSETREF(s->entries, PyList_New(0));
     Py_XSETREF(s->dcache, PyDict_New());
     Py_XSETREF(s->scache, PyDict_New());
@@ -726,6 +730,11 @@ static int seg_init(Segment *s, PyObject *args, PyObject *kw) {
 static int contains(PyObject *set, PyObject *key) {
     return PyAnySet_Check(set) ? PySet_Contains(set, key) : PySequence_Contains(set, key);
 }
+
+#define SITE_KNOWN 1
+#define SITE_MERGE 2
+#define SITE_BARRIER 4
+static int site_flags(Segment *s, PyObject *site);
 
 static PyObject *s_array, *s_top, *s_bottom;
 
@@ -1193,9 +1202,9 @@ static PyObject *h2d_fast(Segment *s, PyObject *site, PyObject *dst, PyObject *s
     if (!s->fast || !s->bound || s->owner != PyThread_get_thread_ident() ||
         (on_drop != Py_None && !PyCallable_Check(on_drop)))
         return PyLong_FromLong(MISS);
-    int in = contains(s->merge, site);
-    if (in != 1) {
-        if (in < 0) PyErr_Clear();
+    int fl = site_flags(s, site);
+    if (fl < 0 || !(fl & SITE_MERGE)) {
+        if (fl < 0) PyErr_Clear();
         return PyLong_FromLong(MISS);
     }
     Geo g;
@@ -1257,9 +1266,7 @@ static PyObject *h2d_fast(Segment *s, PyObject *site, PyObject *dst, PyObject *s
     if (r < 0) return NULL;
     if (r == 0) return PyLong_FromLong(MISS);
     if (skip) return PyLong_FromLong(STAGED);
-    in = contains(s->barriers, site);
-    if (in < 0) return NULL;
-    return PyLong_FromLong(in ? BARRIER : STAGED);
+    return PyLong_FromLong(fl & SITE_BARRIER ? BARRIER : STAGED);
 miss:
     Py_DECREF(g.dtype);
     Py_DECREF(g.geom);
@@ -1773,32 +1780,72 @@ static Py_ssize_t count_slot(PyObject **keys, Py_ssize_t cap, PyObject *site) {
     return i;
 }
 
-/* count n more copies of site as merged (folded into stats by fold()) */
-static int count_merged(Segment *s, PyObject *site, Py_ssize_t n) {
+/* the count table's slot of site, inserted (with a count of 0) when new; -1 on error */
+static Py_ssize_t count_index(Segment *s, PyObject *site) {
     if (2 * (s->cused + 1) > s->ccap) { /* grow: at most half full */
         Py_ssize_t cap = s->ccap ? 2 * s->ccap : 64;
         PyObject **keys = PyMem_Calloc((size_t)cap, sizeof(PyObject *));
         Py_ssize_t *vals = PyMem_Calloc((size_t)cap, sizeof(Py_ssize_t));
-        if (!keys || !vals) { PyMem_Free(keys); PyMem_Free(vals); PyErr_NoMemory(); return -1; }
+        unsigned char *flags = PyMem_Calloc((size_t)cap, 1);
+        if (!keys || !vals || !flags) {
+            PyMem_Free(keys); PyMem_Free(vals); PyMem_Free(flags);
+            PyErr_NoMemory();
+            return -1;
+        }
         for (Py_ssize_t i = 0; i < s->ccap; i++) {
             if (!s->ckeys[i]) continue;
             Py_ssize_t j = count_slot(keys, cap, s->ckeys[i]);
             keys[j] = s->ckeys[i];
             vals[j] = s->cvals[i];
+            flags[j] = s->cflags[i];
         }
         PyMem_Free(s->ckeys);
         PyMem_Free(s->cvals);
+        PyMem_Free(s->cflags);
         s->ckeys = keys;
         s->cvals = vals;
+        s->cflags = flags;
         s->ccap = cap;
     }
     Py_ssize_t i = count_slot(s->ckeys, s->ccap, site);
     if (!s->ckeys[i]) {
         s->ckeys[i] = Py_NewRef(site);
+        s->cflags[i] = 0;
         s->cused++;
     }
+    return i;
+}
+
+/* count n more copies of site as merged (folded into stats by fold()) */
+static int count_merged(Segment *s, PyObject *site, Py_ssize_t n) {
+    Py_ssize_t i = count_index(s, site);
+    if (i < 0) return -1;
     s->cvals[i] += n;
     return 0;
+}
+
+/* whether the plan merges site and makes it a barrier (SITE_MERGE, SITE_BARRIER bits),
+ * asked of the plan's frozen sets once per site and kept in the count table (two set
+ * lookups a copy otherwise); -1 on error */
+static int site_flags(Segment *s, PyObject *site) {
+    if (!PyFrozenSet_CheckExact(s->merge) || !PyFrozenSet_CheckExact(s->barriers)) {
+        int m = contains(s->merge, site);
+        int b = m == 1 ? contains(s->barriers, site) : 0;
+        if (m < 0 || b < 0) return -1;
+        return (m ? SITE_MERGE : 0) | (b ? SITE_BARRIER : 0);
+    }
+    if (s->ccap) {
+        Py_ssize_t i = count_slot(s->ckeys, s->ccap, site);
+        if (s->ckeys[i] == site && (s->cflags[i] & SITE_KNOWN)) return s->cflags[i] & ~SITE_KNOWN;
+    }
+    int m = contains(s->merge, site);
+    int b = m == 1 ? contains(s->barriers, site) : 0;
+    if (m < 0 || b < 0) return -1;
+    int f = (m ? SITE_MERGE : 0) | (b ? SITE_BARRIER : 0);
+    Py_ssize_t i = count_index(s, site);
+    if (i < 0) return -1;
+    s->cflags[i] = (unsigned char)(f | SITE_KNOWN);
+    return f;
 }
 
 static PyObject *seg_fold(Segment *s, PyObject *unused) {
@@ -1836,8 +1883,9 @@ static PyObject *seg_finish(Segment *s, PyObject *unused) {
     }
     PyObject *entries = s->entries;
     Py_ssize_t n = PyList_GET_SIZE(entries);
-    PyObject *fresh = PyList_New(0);
+    PyObject *fresh = s->spare ? s->spare : PyList_New(0);
     if (!fresh) return NULL;
+    s->spare = NULL;
     s->entries = fresh;
     seg_reset_state(s);
     /* count runs of one site at a time (a step's sites repeat in order) */
@@ -1849,16 +1897,20 @@ static PyObject *seg_finish(Segment *s, PyObject *unused) {
         err = count_merged(s, site, j - i) < 0;
         i = j;
     }
-    if (Py_REFCNT(entries) == 1) { /* the list is ours alone: recycle what only it holds */
+    if (Py_REFCNT(entries) == 1 && PyList_CheckExact(entries)) {
+        /* the list is ours alone: recycle what only it holds, and keep the list, emptied
+         * with its capacity, for the next segment (no regrowing it copy by copy) */
         for (Py_ssize_t i = 0; i < n; i++) {
-            Entry *x = (Entry *)PyList_GET_ITEM(entries, i);
-            if (Py_REFCNT(x) == 1 && Py_IS_TYPE(x, &EntryType)) {
-                PyList_SET_ITEM(entries, i, Py_NewRef(Py_None));
-                entry_recycle(x);
-            }
+            PyObject *x = PyList_GET_ITEM(entries, i);
+            PyList_SET_ITEM(entries, i, NULL);
+            if (Py_REFCNT(x) == 1 && Py_IS_TYPE(x, &EntryType)) entry_recycle((Entry *)x);
+            else Py_DECREF(x);
         }
+        Py_SET_SIZE(entries, 0);
+        s->spare = entries;
+    } else {
+        Py_DECREF(entries);
     }
-    Py_DECREF(entries);
     if (err) return NULL;
     Py_RETURN_NONE;
 }
@@ -1987,6 +2039,7 @@ typedef struct {
 } FastCopy;
 
 static PyObject *s_seg, *s_after_barrier, *s_unchanged, *s_on_drop;
+static PyObject *core_seg(PyObject *self); /* a CopierCore's segment (borrowed), or NULL */
 
 static PyObject *fastcopy_call(FastCopy *f, PyObject *const *args, size_t nargsf,
                                PyObject *kwnames) {
@@ -2003,7 +2056,9 @@ static PyObject *fastcopy_call(FastCopy *f, PyObject *const *args, size_t nargsf
         }
     }
     PyObject *self = args[0];
-    PyObject *seg = PyObject_GetAttr(self, s_seg);
+    PyObject *seg = core_seg(self); /* the member itself, no attribute lookup */
+    if (seg) Py_INCREF(seg);
+    else seg = PyObject_GetAttr(self, s_seg);
     if (!seg) return NULL;
     if (Py_TYPE(seg) != &SegmentType) { Py_DECREF(seg); goto full; }
     PyObject *r = h2d_fast((Segment *)seg, args[1], args[2], args[3], on_drop, 0);
@@ -2809,11 +2864,12 @@ typedef struct {
     PyObject_HEAD
     PyObject *current, *slots, *events, *demand;
     PyObject *index, *want, *acquires, *target_size, *peak; /* ints, as Python holds them */
+    PyObject *launcher; /* a launcher capsule whose query() asks an event, or NULL/None */
     long long fast_advances;
 } RingCore;
 
 #define RING_FIELDS(X) X(current) X(slots) X(events) X(demand) X(index) X(want) X(acquires) \
-    X(target_size) X(peak)
+    X(target_size) X(peak) X(launcher)
 GC_FIELDS(ringcore, RingCore, RING_FIELDS)
 
 
@@ -2842,6 +2898,29 @@ static inline int int_field(PyObject *x, long long *out) {
     int overflow;
     *out = PyLong_AsLongLongAndOverflow(x, &overflow);
     return !overflow && !(*out == -1 && PyErr_Occurred());
+}
+
+/* the launcher in capsule cap when it offers the event calls (this header's layout),
+ * else NULL; no exception is left set */
+static CarriedLauncher *event_launcher(PyObject *cap) {
+    if (!cap || !PyCapsule_CheckExact(cap)) return NULL;
+    CarriedLauncher *L = PyCapsule_GetPointer(cap, LAUNCHER_NAME);
+    if (!L) {
+        PyErr_Clear();
+        return NULL;
+    }
+    return L->abi == LAUNCHER_ABI && L->record && L->query ? L : NULL;
+}
+
+/* event as a raw handle (an int): 1 read, 0 not (no exception left set) */
+static int event_handle(PyObject *event, unsigned long long *out) {
+    if (!event || !PyLong_CheckExact(event)) return 0;
+    *out = PyLong_AsUnsignedLongLong(event);
+    if (PyErr_Occurred()) {
+        PyErr_Clear();
+        return 0;
+    }
+    return 1;
 }
 
 static inline long long floordiv(long long a, long long b) {
@@ -2896,6 +2975,15 @@ static PyObject *ringcore_advance_fast(RingCore *r, PyObject *const *args, Py_ss
          * side effect; not yet complete, the Python path queries again and waits) */
         if (!r->events || !PyList_CheckExact(r->events) || PyList_GET_SIZE(r->events) != n)
             Py_RETURN_NONE;
+        PyObject *ev = PyList_GET_ITEM(r->events, index);
+        CarriedLauncher *L = event_launcher(r->launcher);
+        unsigned long long h;
+        if (L && event_handle(ev, &h)) {
+            /* the driver's query from C: complete (0) goes on; not ready, another
+             * context or a failure leave it to the Python path, which asks again */
+            if (L->query(L->drv, h) != 0) Py_RETURN_NONE;
+            goto idle;
+        }
         PyObject *backend = PyObject_GetAttr((PyObject *)r, s_backend);
         PyObject *done = backend ? PyObject_CallMethodOneArg(backend, s_event_query,
                                                              PyList_GET_ITEM(r->events, index))
@@ -2908,6 +2996,7 @@ static PyObject *ringcore_advance_fast(RingCore *r, PyObject *const *args, Py_ss
         }
         Py_DECREF(done);
     }
+idle:;
     PyObject *acq = PyLong_FromLongLong(acquires + 1);
     PyObject *idx = acq ? PyLong_FromLongLong(index) : NULL;
     PyObject *zero = idx ? PyLong_FromLong(0) : NULL;
@@ -2960,6 +3049,8 @@ static PyMemberDef ringcore_members[] = {
     {"acquires", T_OBJECT_EX, offsetof(RingCore, acquires), 0, "Slots acquired so far."},
     {"_target_size", T_OBJECT_EX, offsetof(RingCore, target_size), 0, NULL},
     {"_peak", T_OBJECT_EX, offsetof(RingCore, peak), 0, NULL},
+    {"_launcher", T_OBJECT, offsetof(RingCore, launcher), 0,
+     "A launcher capsule whose event query advance_fast uses (None: the backend's)."},
     {"fast_advances", T_LONGLONG, offsetof(RingCore, fast_advances), READONLY,
      "Steps advanced by advance_fast."},
     {NULL},
@@ -2990,6 +3081,7 @@ typedef struct {
     PyObject *closed, *in_step, *owner, *seg, *checker, *feed, *feed_pending, *capturing;
     PyObject *ring, *slot, *tables, *cap_for, *cap, *stepping, *stats, *cap_query, *cap_arg;
     PyObject *launcher, *handle, *carry_max, *flush_mode; /* what a carried flush needs */
+    PyObject *mapped_max; /* the largest segment a mapped launch reads (auto's choice) */
     PyObject *check_mod; /* cucopy.check, handed in by the copier (CHECK_MODE is read) */
     long long fast_begins, fast_flushes;
 } CopierCore;
@@ -2997,12 +3089,13 @@ typedef struct {
 #define COPIER_FIELDS(X) X(closed) X(in_step) X(owner) X(seg) X(checker) X(feed) \
     X(feed_pending) X(capturing) X(ring) X(slot) X(tables) X(cap_for) X(cap) X(stepping) \
     X(stats) X(cap_query) X(cap_arg) X(launcher) X(handle) X(carry_max) X(flush_mode) \
-    X(check_mod)
+    X(mapped_max) X(check_mod)
 
 GC_FIELDS(copiercore, CopierCore, COPIER_FIELDS)
 
 
 static PyObject *s_check_mode, *s_steps, *one_obj;
+static PyTypeObject CopierCoreType;
 
 /* 1: not capturing; 0: capturing, or cannot tell (the Python path asks again) */
 static int not_capturing(CopierCore *c) {
@@ -3108,21 +3201,42 @@ static int bump(PyObject *obj, PyObject *name, long long by) {
     return r;
 }
 
-static PyObject *s_segments, *s_bytes_staged, *s_modes, *s_inline;
+static PyObject *s_segments, *s_bytes_staged, *s_modes, *s_inline, *s_mapped;
+
+/* the largest mapped segment of at most _MAPPED_MAX_DESCS descriptors whose header and
+ * table a launch cannot carry (copier.py's _UNCARRIED_MAPPED_MAX, _MAPPED_MAX_DESCS) */
+#define MAPPED_MAX_DESCS 64
+#define UNCARRIED_MAPPED_MAX (128 * 1024)
+
+/* stats.modes[how] += 1, stats.segments += 1, stats.bytes_staged += total */
+static int count_segment(CopierCore *c, PyObject *how, int64_t total) {
+    PyObject *modes = PyObject_GetAttr(c->stats, s_modes);
+    PyObject *m = modes ? PyDict_GetItemWithError(modes, how) : NULL; /* borrowed */
+    PyObject *m1 = m ? PyNumber_Add(m, one_obj) : NULL;
+    int err = !m1 || PyDict_SetItem(modes, how, m1) < 0;
+    Py_XDECREF(m1);
+    Py_XDECREF(modes);
+    if (err || bump(c->stats, s_segments, 1) < 0 || bump(c->stats, s_bytes_staged, total) < 0)
+        return -1;
+    return 0;
+}
 
 static PyObject *copiercore_flush_fast(CopierCore *c, PyObject *unused) {
     if (c->closed != Py_False || !c->seg || Py_TYPE(c->seg) != &SegmentType ||
         c->checker != Py_None || !c->launcher || !PyCapsule_CheckExact(c->launcher) ||
         !c->handle || !c->carry_max || !c->flush_mode || !PyUnicode_Check(c->flush_mode) ||
-        (PyUnicode_CompareWithASCIIString(c->flush_mode, "inline") &&
-         PyUnicode_CompareWithASCIIString(c->flush_mode, "auto")) ||
-        !c->slot ||
-        !PyObject_TypeCheck(c->slot, &SlotCoreType) || !c->ring ||
+        !c->slot || !PyObject_TypeCheck(c->slot, &SlotCoreType) || !c->ring ||
         !PyObject_TypeCheck(c->ring, &RingCoreType) || !c->stats)
         Py_RETURN_FALSE;
+    /* carried whole when it fits (inline, auto); else read mapped (mapped, auto) */
+    int carries = !PyUnicode_CompareWithASCIIString(c->flush_mode, "inline") ||
+                  !PyUnicode_CompareWithASCIIString(c->flush_mode, "auto");
+    int mapped_only = !carries && !PyUnicode_CompareWithASCIIString(c->flush_mode, "mapped");
+    if (!carries && !mapped_only) Py_RETURN_FALSE;
     if (!step_is_callers(c, PyThread_get_thread_ident())) Py_RETURN_FALSE;
     Segment *seg = (Segment *)c->seg;
     SlotCore *slot = (SlotCore *)c->slot;
+    RingCore *ring = (RingCore *)c->ring;
     if (!PyList_GET_SIZE(seg->entries) || !seg->bound || seg->slot != c->slot || !slot->base)
         Py_RETURN_FALSE;
     CarriedLauncher *L = PyCapsule_GetPointer(c->launcher, LAUNCHER_NAME);
@@ -3133,35 +3247,70 @@ static PyObject *copiercore_flush_fast(CopierCore *c, PyObject *unused) {
         PyErr_Clear();
         Py_RETURN_FALSE;
     }
+    /* a mapped launch needs the slot's event recorded after it, from C */
+    long long mapped_max = -1;
+    unsigned long long event = 0;
+    CarriedLauncher *E = event_launcher(c->launcher);
+    if (E && c->mapped_max && int_field(c->mapped_max, &mapped_max) &&
+        ring->current == c->slot && ring->events && PyList_CheckExact(ring->events)) {
+        long long index;
+        if (!int_field(ring->index, &index) || index < 0 ||
+            index >= PyList_GET_SIZE(ring->events) ||
+            !event_handle(PyList_GET_ITEM(ring->events, index), &event))
+            mapped_max = -1;
+    } else {
+        mapped_max = -1;
+    }
+    PyErr_Clear();
+    if (mapped_only && mapped_max < 0) Py_RETURN_FALSE;
     if (!not_capturing(c)) Py_RETURN_FALSE;
     /* from here on as _flush_segment: an error is flush()'s to report (the segment cut) */
     int64_t off, end, nblocks;
     Py_ssize_t n;
-    if (cut_impl(seg, inline_max, &off, &end, &nblocks, &n) < 0) return NULL;
-    int64_t total = end - off;
-    if (total > inline_max ||
-        L->carried(L->drv, (unsigned long long)nblocks, stream, dev + (unsigned long long)off,
-                   (const char *)seg->view.buf + off, (size_t)total) != 0)
-        return Py_BuildValue("(LLLn)", (long long)off, (long long)end, (long long)nblocks, n);
-    /* landed, carried whole: no event needed for it (as _flush_segment's "inline") */
-    PyObject *modes = PyObject_GetAttr(c->stats, s_modes);
-    PyObject *m = modes ? PyDict_GetItemWithError(modes, s_inline) : NULL; /* borrowed */
-    PyObject *m1 = m ? PyNumber_Add(m, one_obj) : NULL;
-    int err = !m1 || PyDict_SetItem(modes, s_inline, m1) < 0;
-    Py_XDECREF(m1);
-    Py_XDECREF(modes);
-    if (err || bump(c->stats, s_segments, 1) < 0 || bump(c->stats, s_bytes_staged, total) < 0)
-        return NULL;
+    if (cut_impl(seg, carries ? inline_max : -1, &off, &end, &nblocks, &n) < 0) return NULL;
+    int64_t total = end - off, head = HEADER_BYTES + (int64_t)n * DESC_BYTES;
+    const char *host = (const char *)seg->view.buf + off;
+    PyObject *how;
+    if (carries && total <= inline_max) {
+        if (L->carried(L->drv, (unsigned long long)nblocks, stream,
+                       dev + (unsigned long long)off, host, (size_t)total) != 0)
+            goto cut;
+        how = s_inline; /* carried whole: no event needed for it */
+    } else if (mapped_max >= 0 && head <= inline_max &&
+               (mapped_only || total <= mapped_max)) {
+        /* _land's mapped launch carrying the header and the table (head <= the largest
+         * carry); the uncarried kernel's case stays _land's */
+        if (L->carried(L->drv, (unsigned long long)nblocks, stream,
+                       dev + (unsigned long long)off, host, (size_t)align_up(head, ALIGN)) != 0)
+            goto cut;
+        how = s_mapped;
+        /* the launch reads the slot when it runs: its event follows it */
+        Py_SETREF(slot->dirty, Py_NewRef(Py_True));
+    } else {
+        goto cut;
+    }
+    if (count_segment(c, how, total) < 0) return NULL;
     PyObject *f = seg_finish(seg, NULL);
     if (!f) return NULL;
     Py_DECREF(f);
     c->fast_flushes++;
-    /* the slot dirtied earlier in the step (an eager copy): flush()'s body records it */
-    RingCore *ring = (RingCore *)c->ring;
+    if (how == s_mapped && slot->dirty == Py_True &&
+        E->record(E->drv, event, stream) == 0) { /* StagingRing.record */
+        Py_SETREF(slot->recorded, Py_NewRef(Py_True));
+        Py_SETREF(slot->dirty, Py_NewRef(Py_False));
+    }
+    /* the slot dirtied in the step (an eager copy, or a record that failed):
+     * flush()'s body records it */
     if (ring->current && PyObject_TypeCheck(ring->current, &SlotCoreType) &&
         ((SlotCore *)ring->current)->dirty != Py_False)
         Py_RETURN_FALSE;
     Py_RETURN_TRUE;
+cut:
+    return Py_BuildValue("(LLLn)", (long long)off, (long long)end, (long long)nblocks, n);
+}
+
+static PyObject *core_seg(PyObject *self) {
+    return PyObject_TypeCheck(self, &CopierCoreType) ? ((CopierCore *)self)->seg : NULL;
 }
 
 static PyMethodDef copiercore_methods[] = {
@@ -3183,6 +3332,7 @@ static PyMemberDef copiercore_members[] = {
     MEMBER("_cap_for", cap_for) MEMBER("_cap", cap) MEMBER("_stepping", stepping)
     MEMBER("stats", stats) MEMBER("_cap_query", cap_query) MEMBER("_cap_arg", cap_arg)
     MEMBER("_launcher", launcher) MEMBER("_handle", handle) MEMBER("_carry_max", carry_max)
+    MEMBER("_mapped_max", mapped_max)
     MEMBER("flush_mode", flush_mode) MEMBER("_check_mod", check_mod)
     {"_fast_begins", T_LONGLONG, offsetof(CopierCore, fast_begins), READONLY,
      "Steps begun by _begin_fast."},
@@ -3381,7 +3531,8 @@ PyMODINIT_FUNC PyInit__segment(void) {
     s_bytes_staged = PyUnicode_InternFromString("bytes_staged");
     s_modes = PyUnicode_InternFromString("modes");
     s_inline = PyUnicode_InternFromString("inline");
-    if (!s_segments || !s_bytes_staged || !s_modes || !s_inline) return NULL;
+    s_mapped = PyUnicode_InternFromString("mapped");
+    if (!s_segments || !s_bytes_staged || !s_modes || !s_inline || !s_mapped) return NULL;
     s_check_mode = PyUnicode_InternFromString("CHECK_MODE");
     s_steps = PyUnicode_InternFromString("steps");
     one_obj = PyLong_FromLong(1);

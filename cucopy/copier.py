@@ -212,6 +212,7 @@ class PyCopierCore:
         "_handle",
         "_carry_max",
         "flush_mode",
+        "_mapped_max",
         "_check_mod",
         "__dict__",
         "__weakref__",
@@ -231,11 +232,16 @@ class PyCopierCore:
         """:meth:`DeviceCopier.flush`'s common case in one call.
 
         The compiled twin, when the copier is open and the step its thread's, copies
-        are staged, check mode is off, the flush mode carries segments (``inline``,
-        ``auto``) through the backend's compiled launch and the stream is not
-        capturing: cuts the segment and launches it carried whole, counts it in
-        ``stats`` and finishes it, as :meth:`DeviceCopier._flush_segment` does. It
-        checks everything before it cuts.
+        are staged, check mode is off, the flush mode is ``inline``, ``auto`` or
+        ``mapped``, the backend has a compiled launch and the stream is not
+        capturing: cuts the segment and launches it as
+        :meth:`DeviceCopier._flush_segment` would, carried whole when it fits
+        (``inline``, ``auto``), else read mapped with its header and table carried
+        (``mapped``, and ``auto`` up to ``_mapped_max`` bytes), then records the
+        slot's event after a mapped launch through the launcher's compiled
+        ``cuEventRecord`` (when the launcher offers it and the event is a raw
+        handle); counts it in ``stats`` and finishes it. It checks everything before
+        it cuts.
 
         Returns
         -------
@@ -355,6 +361,8 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
         # done (never waited for: a copier may be made inside a stream hold)
         free_orphans()
         self._ring = StagingRing(self._backend, slots, capacity)
+        # the compiled step asks the next slot's event through the launcher when it can
+        self._ring._launcher = self._launcher
         self.stats = CopyStats()
         self._closed = False
         self._in_step = False

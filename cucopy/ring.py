@@ -179,8 +179,8 @@ class PyRingCore:
     subclasses it).
 
     ``cucopy._segment.RingCore`` is its compiled twin: ``current``, ``_slots``,
-    ``_events``, ``_demand``, ``_index``, ``_want``, ``acquires``, ``_target_size``
-    and ``_peak`` as C members, and an :meth:`advance_fast` that runs the common step
+    ``_events``, ``_demand``, ``_index``, ``_want``, ``acquires``, ``_target_size``,
+    ``_peak`` and ``_launcher`` as C members, and an :meth:`advance_fast` that runs the common step
     (``DeviceCopier._advance`` with :meth:`StagingRing.acquire`) in one call.
     """
 
@@ -195,7 +195,8 @@ class PyRingCore:
         """The common step in one call, or None for the Python path.
 
         The compiled twin takes it when the previous slot is clean, the next one idle
-        (not recorded, or its event complete; no temporaries) and sized for the demand
+        (not recorded, or its event complete, asked through ``_launcher``'s compiled
+        query when it has one and the event is a raw handle; no temporaries) and sized for the demand
         the ring last sized for: it acquires the slot, binds ``seg`` to it and sets
         the table reservation from ``tables`` as
         :meth:`cucopy.copier.DeviceCopier._advance` does, and returns
@@ -310,6 +311,10 @@ class StagingRing(RingCore):  # type: ignore[misc,valid-type]
         self._target_size = capacity
         self._want = 0
         self.current: Slot | None = None
+        #: the compiled launcher whose event query the compiled step uses (a capsule
+        #: from the backend's ``carried_launcher()``, set by the copier; None: the
+        #: backend's ``event_query``)
+        self._launcher = None
         # idle memory kept for reuse until close(): replaced slots by size, and the
         # temporaries of steps whose slots came round again (pinned, device)
         self._spare_slots: list[Slot] = []

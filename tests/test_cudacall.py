@@ -1,8 +1,9 @@
 """The CUDA backend's per-step driver calls made from C (``cucopy.backends._cudacall``).
 
-No GPU here: ctypes callbacks stand in for ``cuLaunchKernel`` and
-``cuStreamIsCapturing``, so the tests see exactly what the driver would be handed
-(kernel, grid, stream, the parameter buffer's bytes and size). On a GPU the same
+No GPU here: ctypes callbacks stand in for ``cuLaunchKernel``,
+``cuStreamIsCapturing``, ``cuEventRecord`` and ``cuEventQuery``, so the tests see
+exactly what the driver would be handed (kernel, grid, stream, the parameter
+buffer's bytes and size, event handles). On a GPU the same
 calls run for real in every CUDA test (tests/test_backend_cuda.py and the rest).
 """
 
@@ -33,21 +34,37 @@ _LAUNCH = ctypes.CFUNCTYPE(
     ctypes.POINTER(ctypes.c_void_p),
 )
 _CAPTURING = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.POINTER(ctypes.c_int))
+_EVENT_RECORD = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
+_EVENT_QUERY = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
+
+NOT_READY = 600  # CUDA_ERROR_NOT_READY
 
 
 class FakeDriver:
-    """Records launches; answers capture queries from ``status`` / ``result``."""
+    """Records launches and event calls; answers capture queries from ``status`` /
+    ``result``, event queries from ``pending`` / ``event_result``."""
 
     def __init__(self):
         self.launches = []
         self.result = 0  # CUresult the next calls return
         self.status = 0
+        self.records = []  # (event, stream) of each cuEventRecord
+        self.queries = []  # event of each cuEventQuery
+        self.pending = set()  # events cuEventQuery answers NOT_READY for
+        self.event_result = 0  # CUresult the next event calls return, when not 0
         self._launch = _LAUNCH(self.launch)
         self._capturing = _CAPTURING(self.capturing)
+        self._record = _EVENT_RECORD(self.event_record)
+        self._query = _EVENT_QUERY(self.event_query)
         addr = ctypes.c_void_p
         self.addrs = (
             ctypes.cast(self._launch, addr).value,
             ctypes.cast(self._capturing, addr).value,
+        )
+        # for Driver.events()
+        self.event_addrs = (
+            ctypes.cast(self._record, addr).value,
+            ctypes.cast(self._query, addr).value,
         )
 
     def launch(self, f, gx, gy, gz, bx, by, bz, shmem, stream, params, extra):
@@ -67,6 +84,16 @@ class FakeDriver:
     def capturing(self, stream, out):
         out[0] = self.status
         return self.result
+
+    def event_record(self, event, stream):
+        self.records.append((event or 0, stream or 0))
+        return self.event_result
+
+    def event_query(self, event):
+        self.queries.append(event or 0)
+        if self.event_result:
+            return self.event_result
+        return NOT_READY if (event or 0) in self.pending else 0
 
 
 CAPS = [(1008, 0x1000), (2032, 0x2000), (4080, 0x4000), (32736, 0x8000)]
@@ -190,6 +217,13 @@ except ImportError:
 
 from cucopy.backends.sim import _SPACE, SimDevice  # noqa: E402
 
+
+def _compiled_copier_core_now() -> bool:
+    from cucopy import copier
+
+    return copier._CopierCore is not copier.PyCopierCore
+
+
 needs_both = pytest.mark.skipif(
     _cudacall is None or CSegment is None, reason="both compiled modules are needed"
 )
@@ -306,6 +340,121 @@ def test_a_bound_driver_calls_nothing_from_another_context():
         d.bind(0, 0x1111)
 
 
+# -- the event calls (cuEventRecord, cuEventQuery) ----------------------------------
+
+
+@needs_ext
+def test_event_calls_answer_minus_one_and_call_nothing_before_events():
+    fake = FakeDriver()
+    d = _driver(fake)
+    assert d.event_record(0xE1, 0x5) == -1
+    assert d.event_query(0xE1) == -1
+    assert fake.records == [] and fake.queries == []
+
+
+@needs_ext
+def test_event_calls_pass_the_handles_and_return_the_curesult():
+    fake = FakeDriver()
+    d = _driver(fake)
+    d.events(*fake.event_addrs)
+    assert d.event_record(0xE1, 0xABC) == 0
+    assert d.event_record(0xE2, 0) == 0  # the legacy default stream
+    assert fake.records == [(0xE1, 0xABC), (0xE2, 0)]
+    fake.pending.add(0xE2)
+    assert d.event_query(0xE1) == 0
+    assert d.event_query(0xE2) == NOT_READY
+    assert fake.queries == [0xE1, 0xE2]
+    fake.event_result = 400  # CUDA_ERROR_INVALID_HANDLE: the backend's call reports it
+    assert d.event_record(0xE3, 0x7) == 400
+    assert d.event_query(0xE3) == 400
+    assert fake.records[-1] == (0xE3, 0x7) and fake.queries[-1] == 0xE3
+    assert fake.launches == []
+    with pytest.raises(TypeError):
+        d.event_record(0xE1)
+    with pytest.raises(TypeError):
+        d.event_query(0xE1, 0)
+    with pytest.raises((OverflowError, TypeError)):
+        d.event_query(-1)
+
+
+@needs_ext
+def test_bound_event_calls_call_nothing_from_another_context():
+    fake = FakeDriver()
+    d = _driver(fake)
+    d.events(*fake.event_addrs)
+    current = {"ctx": 0x1111}
+
+    @_CTX_CURRENT
+    def ctx_current(out):
+        out[0] = current["ctx"]
+        return 0
+
+    d.bind(ctypes.cast(ctx_current, ctypes.c_void_p).value, 0x1111)
+    assert d.event_record(0xE1, 0x5) == 0 and d.event_query(0xE1) == 0
+    current["ctx"] = 0x2222  # another device's context is current on this thread
+    assert d.event_record(0xE1, 0x5) == _cudacall.OTHER_CONTEXT
+    assert d.event_query(0xE1) == _cudacall.OTHER_CONTEXT
+    assert fake.records == [(0xE1, 0x5)] and fake.queries == [0xE1]
+
+
+@needs_ext
+def test_events_refuses_a_null_entry_point():
+    fake = FakeDriver()
+    d = _driver(fake)
+    record, query = fake.event_addrs
+    with pytest.raises(ValueError):
+        d.events(0, query)
+    with pytest.raises(ValueError):
+        d.events(record, 0)
+    assert d.event_record(0xE1, 0) == -1 and d.event_query(0xE1) == -1  # still unset
+
+
+class _Launcher(ctypes.Structure):
+    """The layout of _carried_launcher.h's CarriedLauncher."""
+
+    _fields_ = [
+        ("carried", ctypes.c_void_p),
+        ("drv", ctypes.c_void_p),
+        ("abi", ctypes.c_int),
+        ("record", ctypes.c_void_p),
+        ("query", ctypes.c_void_p),
+    ]
+
+
+# called as the staging core calls them: with the GIL held
+_RECORD_IMPL = ctypes.PYFUNCTYPE(
+    ctypes.c_int, ctypes.c_void_p, ctypes.c_ulonglong, ctypes.c_ulonglong
+)
+_QUERY_IMPL = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_ulonglong)
+
+
+def _launcher_struct(capsule) -> _Launcher:
+    get = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.py_object, ctypes.c_char_p)(
+        ("PyCapsule_GetPointer", ctypes.pythonapi)
+    )
+    ptr = get(capsule, _cudacall.LAUNCHER_NAME.encode())
+    assert ptr
+    return _Launcher.from_address(ptr)
+
+
+@needs_ext
+def test_the_launcher_carries_its_abi_and_the_event_calls():
+    fake = FakeDriver()
+    d = _driver(fake)
+    capsule = d.launcher()
+    s = _launcher_struct(capsule)
+    assert s.abi == _cudacall.LAUNCHER_ABI
+    assert s.carried and s.drv and s.record and s.query
+    record, query = _RECORD_IMPL(s.record), _QUERY_IMPL(s.query)
+    # set before events(): they answer -1 and call nothing until then
+    assert record(s.drv, 0xE1, 0x5) == -1 and query(s.drv, 0xE1) == -1
+    assert fake.records == [] and fake.queries == []
+    d.events(*fake.event_addrs)  # the capsule's calls see it (the same Driver)
+    fake.pending.add(0xE1)
+    assert record(s.drv, 0xE1, 0x5) == 0 and query(s.drv, 0xE1) == NOT_READY
+    assert fake.records == [(0xE1, 0x5)] and fake.queries == [0xE1]
+
+
 @needs_ext
 def test_a_launcher_keeps_its_driver_alive():
     import gc
@@ -352,12 +501,46 @@ def test_on_a_gpu_inline_segments_launch_from_the_staging_core(env):
     c.close()
 
 
+@pytest.mark.gpu
+@needs_ext
+def test_on_a_gpu_the_backends_compiled_driver_records_and_queries_events():
+    # the backend hands cuEventRecord and cuEventQuery to its compiled driver, and the
+    # runtime's event handles are the driver's CUevents
+    if os.environ.get("CUCOPY_PURE_PYTHON"):
+        pytest.skip("CUCOPY_PURE_PYTHON=1: the compiled driver calls are off")
+    cupy = pytest.importorskip("cupy")
+    from cucopy.backends.cuda import CudaBackend
+
+    be = CudaBackend()
+    be._get_kernels()
+    fast = be._bound
+    assert fast is not None
+    s = cupy.cuda.Stream(non_blocking=True)
+    stream = be.resolve_stream(s)
+    ev = be.event_create()
+    assert fast.event_record(ev, stream) == 0
+    be.event_synchronize(ev)
+    assert fast.event_query(ev) == 0 and be.event_query(ev)
+    with be.hold(stream):
+        assert fast.event_record(ev, stream) == 0  # behind the held kernel
+        assert fast.event_query(ev) == NOT_READY and not be.event_query(ev)
+    be.event_synchronize(ev)
+    assert fast.event_query(ev) == 0
+    s.synchronize()
+    be.event_destroy(ev)
+
+
 @needs_both
-def _landing_copier(mode: str, plan_sites=("A", "B"), eager_site: bool = False):
+def _landing_copier(
+    mode: str, plan_sites=("A", "B"), eager_site: bool = False, events: bool = False
+):
     """A sim copier given a fake launcher that lands what it is handed.
 
     The fake driver checks the launch carries the slot's bytes, then lands them with
-    the sim backend's own scatter (as the carried kernel would). Returns
+    the sim backend's own scatter (as the carried kernel would). With ``events`` the
+    ring's events become raw handles (ints) that the backend and the fake driver's
+    ``cuEventRecord`` / ``cuEventQuery`` translate to the sim's events, so the staging
+    core's compiled record and query run against the simulated device. Returns
     ``(copier, site class, device, fake driver, problems)``.
     """
     import cucopy as cc
@@ -392,11 +575,35 @@ def _landing_copier(mode: str, plan_sites=("A", "B"), eager_site: bool = False):
                 problems.append(repr(e))
             return 0
 
+        # (events=True) the sim's events behind the raw handles
+        def event_record(self, event, stream):
+            rc = super().event_record(event, stream)
+            if rc == 0:
+                sim_record(by_handle[event], dev.default_stream)
+            return rc
+
+        def event_query(self, event):
+            rc = super().event_query(event)
+            return rc if rc else (0 if sim_query(by_handle[event]) else NOT_READY)
+
+    by_handle: dict = {}
+    sim_record, sim_query = be.event_record, be.event_query
+    if events:
+        ring = c._ring
+        by_handle.update({0xE000 + i: ev for i, ev in enumerate(ring._events)})
+        ring._events = list(by_handle)
+        for name in ("event_record", "event_query", "event_synchronize", "event_destroy"):
+            fn = getattr(be, name)
+            setattr(be, name, lambda ev, *a, _fn=fn: _fn(by_handle.get(ev, ev), *a))
     fake = Landing()
     d = _cudacall.Driver(*fake.addrs)
+    if events:
+        d.events(*fake.event_addrs)
     caps = be.carry_capacities()
     d.kernels(0x5CA7, [(cap, 0x1000 + i) for i, cap in enumerate(caps)], pack.THREADS)
     c._launcher, c._handle = d.launcher(), 77
+    if events:
+        c._ring._launcher = c._launcher
     return c, site, dev, fake, problems
 
 
@@ -434,6 +641,65 @@ def test_a_copier_given_a_launcher_lands_what_scatter_would(mode):
     c.close()
 
 
+@pytest.mark.parametrize("mode", ["auto", "mapped"])
+def test_a_mapped_segment_lands_from_the_staging_core_with_its_event(mode):
+    # a segment over the largest carry (auto: up to _mapped_max) is read mapped; the
+    # compiled flush launches it carrying its header and table, records the slot's
+    # event through the launcher, and the compiled ring step asks that event before
+    # reusing the slot. The Python twin lands the same through scatter()/event_record.
+    from cucopy import copier as copier_mod
+
+    c, Site, dev, fake, problems = _landing_copier(mode, events=True)
+    c._mapped_max = 1 << 20  # the sim's threshold is 4 KiB: auto would pick dma
+    compiled = copier_mod._CopierCore is not copier_mod.PyCopierCore
+    rng = np.random.default_rng(11)
+    dsts = [dev.zeros((k,), np.int32) for k in (3, 100, 9000, 1)]  # 36 KB a step
+    steps = 3 * c._ring.slots
+    for _ in range(steps):
+        want = [rng.integers(-9, 9, d_.shape[0], dtype=np.int32) for d_ in dsts]
+        with c.step():
+            for i, (d_, w) in enumerate(zip(dsts, want)):
+                c.copy(Site.A if i % 2 else Site.B, d_, w)
+        for d_, w in zip(dsts, want):
+            assert np.array_equal(dev.to_host(d_), w)
+    assert problems == []
+    assert c.stats.modes["mapped"] == c.stats.segments == steps
+    assert c._fast_flushes == (steps if compiled else 0)
+    if compiled:
+        # one launch carrying the header and table (not the data), one record, a step
+        assert len(fake.launches) == steps
+        carried = [struct.unpack_from("<I", r["buffer"], 8)[0] for r in fake.launches]
+        assert all(0 < n < 1024 for n in carried)  # 36 KB of data stayed in the slot
+        assert [e for e, _ in fake.records] == [0xE000 + i % c._ring.slots for i in range(steps)]
+        assert {s for _, s in fake.records} == {77}
+        # the ring came round: its compiled step asked the slots' events
+        assert fake.queries and c._ring.fast_advances > 0
+    else:
+        assert fake.launches == [] and fake.records == []
+    assert all(s_.recorded and not s_.dirty for s_ in c._ring._slots if s_ is not None)
+    c.close()
+
+
+@needs_both
+@pytest.mark.skipif(
+    not _compiled_copier_core_now(), reason="the compiled staging core is not in use"
+)
+def test_a_failed_compiled_record_leaves_the_slot_to_flush_s_body():
+    # the launch went through but cuEventRecord failed: the slot stays dirty and
+    # flush()'s Python body records its event (through the backend), as before
+    c, Site, dev, fake, problems = _landing_copier("mapped", events=True)
+    fake.event_result = 700
+    a = dev.zeros((9000,), np.int32)
+    for k in range(3):
+        with c.step():
+            c.copy(Site.A, a, np.full(9000, k, np.int32))
+        assert dev.to_host(a).tolist() == [k] * 9000
+        slot = c._ring.current
+        assert slot.recorded and not slot.dirty  # recorded by the body
+    assert len(fake.records) == 3 and c._fast_flushes == 3 and problems == []
+    c.close()
+
+
 def _compiled_copier_core() -> bool:
     from cucopy import copier
 
@@ -442,11 +708,14 @@ def _compiled_copier_core() -> bool:
 
 @needs_both
 @pytest.mark.skipif(not _compiled_copier_core(), reason="the compiled staging core is not in use")
-@pytest.mark.parametrize("why", ["dma", "no_launcher", "check_mode", "capturing"])
+@pytest.mark.parametrize(
+    "why", ["dma", "no_launcher", "check_mode", "capturing", "mapped_without_event_handles"]
+)
 def test_flush_fast_declines_without_cutting(monkeypatch, why):
     from cucopy import check
 
-    mode = "dma" if why == "dma" else "auto"
+    # (a mapped flush needs the slot's event as a raw handle: the sim's are objects)
+    mode = {"dma": "dma", "mapped_without_event_handles": "mapped"}.get(why, "auto")
     c, Site, dev, fake, problems = _landing_copier(mode)
     a = dev.zeros((64,), np.int32)
     with c.step():

@@ -1,27 +1,31 @@
-/* cucopy.backends._cudacall: the CUDA backend's two per-step driver calls, made from C.
+/* cucopy.backends._cudacall: the CUDA backend's per-step driver calls, made from C.
  *
- * The compiled twin of two paths in cuda.py (which stay the reference and the
+ * The compiled twin of paths in cuda.py (which stay the reference and the
  * fallback): the capture query every begin() and flush() makes
- * (cuStreamIsCapturing) and the scatter launch that carries a segment in its
- * parameters (cuLaunchKernel with a CU_LAUNCH_PARAM_BUFFER). Through CuPy's
+ * (cuStreamIsCapturing), the scatter launch that carries a segment in its
+ * parameters (cuLaunchKernel with a CU_LAUNCH_PARAM_BUFFER), and the staging
+ * slot's event calls (cuEventRecord and cuEventQuery, set by events(); the
+ * backend's event_record() and event_query() stay the reference). Through CuPy's
  * wrappers and ctypes each costs a few Python-to-C hops (the carried launch: the
  * argument struct's fields, a ctypes.memmove of the segment, CuPy's launchKernel);
  * here each is one call. The driver's entry points are passed in as addresses
  * (taken by the backend from the driver library CuPy loaded), so this module links
  * against nothing and builds without the CUDA toolkit.
  *
- * The launches keep the GIL. A launch returns in a few microseconds (it only
- * blocks when the device's launch queue is full), and releasing the GIL around it
- * hands the interpreter to any other Python thread, which the caller then waits
- * for at the GIL (up to the switch interval) before its step can go on: in an
- * engine with a second Python thread a launch measured about 28 us that way
+ * The launches and the event calls keep the GIL. A launch returns in a few
+ * microseconds (it only blocks when the device's launch queue is full; an event is
+ * recorded or queried in less and neither waits for the device), and releasing the
+ * GIL around it hands the interpreter to any other Python thread, which the caller
+ * then waits for at the GIL (up to the switch interval) before its step can go on:
+ * in an engine with a second Python thread a launch measured about 28 us that way
  * (bench/results/2026-12-01-h200-run30, hf_upload_profile) against 5-7 alone.
  *
  * Once bind() names the device's context, every call first checks that it is the
  * calling thread's current one and does nothing otherwise (OTHER_CONTEXT), so the
  * backend makes these calls before asking CuPy which device is current. The carried
- * launch is also offered as a C function (launcher()) that the staging core calls at
- * flush, straight after cutting the segment.
+ * launch and the event calls are also offered as C functions (launcher(), a
+ * CarriedLauncher: see ../_carried_launcher.h) that the staging core calls at flush,
+ * straight after cutting the segment.
  *
  * Nothing here maps errors: each call returns the driver's CUresult (or, for the
  * capture query, the capture status), and the backend turns a failure into its
@@ -38,8 +42,9 @@ typedef int (*launch_fn)(void *f, unsigned gx, unsigned gy, unsigned gz, unsigne
                          void **params, void **extra);
 typedef int (*capturing_fn)(void *stream, int *status);
 typedef int (*ctx_current_fn)(void **ctx);
+typedef int (*event_record_fn)(void *event, void *stream);
+typedef int (*event_query_fn)(void *event);
 
-/* the carried launch, offered to the staging core as a C function (launcher()) */
 /* what the calls answer, without calling the driver, when the thread's current
  * context is not the one bind() named: the backend's checked path then runs */
 #define OTHER_CONTEXT (-2)
@@ -64,6 +69,9 @@ typedef struct {
     unsigned threads;
     ctx_current_fn ctx_current; /* with ctx: set by bind() */
     void *ctx;                  /* the device's context; NULL: not checked */
+    /* cuEventRecord and cuEventQuery: set by events(); NULL until then */
+    event_record_fn event_record;
+    event_query_fn event_query;
     CarriedLauncher launcher;
 } Driver;
 
@@ -89,6 +97,8 @@ static int Driver_init(Driver *self, PyObject *args, PyObject *kw) {
     self->threads = 0;
     self->ctx_current = NULL;
     self->ctx = NULL;
+    self->event_record = NULL;
+    self->event_query = NULL;
     return 0;
 }
 
@@ -104,6 +114,21 @@ static PyObject *Driver_bind(Driver *self, PyObject *args) {
     }
     self->ctx_current = (ctx_current_fn)(uintptr_t)get;
     self->ctx = (void *)(uintptr_t)ctx;
+    Py_RETURN_NONE;
+}
+
+/* events(record, query): cuEventRecord's and cuEventQuery's addresses; until then
+ * the event calls call nothing and answer -1 (the staging core then records and
+ * queries through the backend) */
+static PyObject *Driver_events(Driver *self, PyObject *args) {
+    unsigned long long record = 0, query = 0;
+    if (!PyArg_ParseTuple(args, "KK", &record, &query)) return NULL;
+    if (!record || !query) {
+        PyErr_SetString(PyExc_ValueError, "events: a null entry point");
+        return NULL;
+    }
+    self->event_record = (event_record_fn)(uintptr_t)record;
+    self->event_query = (event_query_fn)(uintptr_t)query;
     Py_RETURN_NONE;
 }
 
@@ -212,13 +237,48 @@ static PyObject *Driver_carried(Driver *self, PyObject *const *args, Py_ssize_t 
         carried_impl(self, v[0], v[1], v[2], (const void *)(uintptr_t)v[3], (size_t)v[4]));
 }
 
-/* launcher() -> a capsule of the carried launch as a C function (CarriedLauncher),
- * holding this Driver alive */
+/* record(event, stream) -> CUresult of cuEventRecord, or -1 before events(),
+ * OTHER_CONTEXT when another context is current */
+static int record_impl(void *drv, unsigned long long event, unsigned long long stream) {
+    Driver *self = (Driver *)drv;
+    if (!self->event_record) return -1;
+    if (!same_context(self)) return OTHER_CONTEXT;
+    /* the GIL is held throughout (see the top of this file) */
+    return self->event_record((void *)(uintptr_t)event, (void *)(uintptr_t)stream);
+}
+
+/* query(event) -> CUresult of cuEventQuery (0 complete, 600 not ready), or -1 before
+ * events(), OTHER_CONTEXT when another context is current */
+static int query_impl(void *drv, unsigned long long event) {
+    Driver *self = (Driver *)drv;
+    if (!self->event_query) return -1;
+    if (!same_context(self)) return OTHER_CONTEXT;
+    return self->event_query((void *)(uintptr_t)event);
+}
+
+static PyObject *Driver_event_record(Driver *self, PyObject *const *args, Py_ssize_t nargs) {
+    unsigned long long v[2];
+    if (ull_args(args, nargs, 2, v, "event_record(event, stream)") < 0) return NULL;
+    return PyLong_FromLong(record_impl(self, v[0], v[1]));
+}
+
+static PyObject *Driver_event_query(Driver *self, PyObject *const *args, Py_ssize_t nargs) {
+    unsigned long long v[1];
+    if (ull_args(args, nargs, 1, v, "event_query(event)") < 0) return NULL;
+    return PyLong_FromLong(query_impl(self, v[0]));
+}
+
+/* launcher() -> a capsule of the carried launch and the event calls as C functions
+ * (CarriedLauncher), holding this Driver alive; the event calls answer -1 until
+ * events() */
 static void launcher_free(PyObject *cap) { Py_XDECREF((PyObject *)PyCapsule_GetContext(cap)); }
 
-static PyObject *Driver_launcher(Driver *self, PyObject *unused) {
+static PyObject *Driver_launcher(Driver *self, PyObject *Py_UNUSED(unused)) {
     self->launcher.carried = carried_impl;
     self->launcher.drv = self;
+    self->launcher.abi = LAUNCHER_ABI;
+    self->launcher.record = record_impl;
+    self->launcher.query = query_impl;
     PyObject *cap = PyCapsule_New(&self->launcher, LAUNCHER_NAME, launcher_free);
     if (!cap) return NULL;
     if (PyCapsule_SetContext(cap, Py_NewRef(self)) < 0) {
@@ -247,14 +307,20 @@ static PyMethodDef Driver_methods[] = {
      "kernels(scatter, carried, threads): the kernels to launch ((capacity, CUfunction) pairs)."},
     {"bind", (PyCFunction)Driver_bind, METH_VARARGS,
      "bind(ctx_get_current, ctx): check the current context is ctx before every call."},
+    {"events", (PyCFunction)Driver_events, METH_VARARGS,
+     "events(record, query): cuEventRecord's and cuEventQuery's addresses."},
     {"launcher", (PyCFunction)Driver_launcher, METH_NOARGS,
-     "launcher() -> a capsule of the carried launch for the staging core to call."},
+     "launcher() -> a capsule of the carried launch and event calls for the staging core."},
     {"is_capturing", (PyCFunction)Driver_is_capturing, METH_O,
      "is_capturing(stream) -> capture status (0, 1, 2), or -CUresult on failure."},
     {"carried", (PyCFunction)(void (*)(void))Driver_carried, METH_FASTCALL,
      "carried(nblocks, stream, seg, host, nbytes) -> CUresult; -1 when nothing holds nbytes."},
     {"scatter", (PyCFunction)(void (*)(void))Driver_scatter, METH_FASTCALL,
      "scatter(nblocks, stream, seg) -> CUresult; -1 for a grid out of range."},
+    {"event_record", (PyCFunction)(void (*)(void))Driver_event_record, METH_FASTCALL,
+     "event_record(event, stream) -> CUresult of cuEventRecord; -1 before events()."},
+    {"event_query", (PyCFunction)(void (*)(void))Driver_event_query, METH_FASTCALL,
+     "event_query(event) -> CUresult of cuEventQuery (0, 600: not ready); -1 before events()."},
     {NULL, NULL, 0, NULL}};
 
 static PyTypeObject DriverType = {
@@ -269,8 +335,11 @@ static PyTypeObject DriverType = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "cucopy.backends._cudacall",
-    "The CUDA backend's per-step driver calls, made from C (see cuda.py).", -1, NULL};
+    PyModuleDef_HEAD_INIT,
+    .m_name = "cucopy.backends._cudacall",
+    .m_doc = "The CUDA backend's per-step driver calls, made from C (see cuda.py).",
+    .m_size = -1,
+};
 
 PyMODINIT_FUNC PyInit__cudacall(void) {
     if (PyType_Ready(&DriverType) < 0) return NULL;
@@ -285,6 +354,7 @@ PyMODINIT_FUNC PyInit__cudacall(void) {
     if (PyModule_AddIntConstant(m, "PREFIX", PREFIX) < 0 ||
         PyModule_AddIntConstant(m, "OTHER_CONTEXT", OTHER_CONTEXT) < 0 ||
         PyModule_AddIntConstant(m, "OTHER_CONTEXT_STATUS", OTHER_CONTEXT_STATUS) < 0 ||
+        PyModule_AddIntConstant(m, "LAUNCHER_ABI", LAUNCHER_ABI) < 0 ||
         PyModule_AddStringConstant(m, "LAUNCHER_NAME", LAUNCHER_NAME) < 0) {
         Py_DECREF(m);
         return NULL;

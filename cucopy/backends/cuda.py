@@ -418,7 +418,11 @@ def _compiled_driver():
     """The compiled per-step driver calls (``_cudacall.Driver``), or None.
 
     None when :func:`cudacall_module` is, or when the driver library lacks an entry
-    point.
+    point. Its event calls (``cuEventRecord`` and ``cuEventQuery``, which the staging
+    core makes through the launcher) are set when the driver has both; without them
+    they answer -1 and the staging core records and queries through the backend.
+    (A runtime event handle, as :meth:`CudaBackend.event_create` returns, is the
+    driver's ``CUevent``.)
     """
     _cudacall = cudacall_module()
     if _cudacall is None:
@@ -428,7 +432,12 @@ def _compiled_driver():
     if launch is None or capturing is None:
         return None
     addr = ctypes.c_void_p
-    return _cudacall.Driver(ctypes.cast(launch, addr).value, ctypes.cast(capturing, addr).value)
+    fast = _cudacall.Driver(ctypes.cast(launch, addr).value, ctypes.cast(capturing, addr).value)
+    record = _driver_entry("cuEventRecord")
+    query = _driver_entry("cuEventQuery")
+    if record is not None and query is not None:
+        fast.events(ctypes.cast(record, addr).value, ctypes.cast(query, addr).value)
+    return fast
 
 
 def _build_entry(name: str, device: int):
@@ -630,7 +639,8 @@ class CudaBackend(Backend):
         self._scratch = _Scratch(device)
         self._threshold = None
         self._kern = None
-        # cuLaunchKernel / cuStreamIsCapturing straight from C (None: CuPy's wrappers)
+        # cuLaunchKernel / cuStreamIsCapturing (and, for the staging core, cuEventRecord /
+        # cuEventQuery) straight from C (None: CuPy's wrappers)
         self._fast = _compiled_driver()
         # the same, once it checks the current context itself (_get_kernels)
         self._bound = None
