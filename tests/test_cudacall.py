@@ -680,6 +680,52 @@ def test_a_mapped_segment_lands_from_the_staging_core_with_its_event(mode):
     c.close()
 
 
+@pytest.mark.parametrize("mode", ["auto", "mapped", "inline"])
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_random_steps_land_through_the_compiled_flushes_with_events(mode, seed):
+    # random steps (several segments, eager copies that dirty the slot, discards,
+    # segments over the largest carry) against the simulated device, the ring's
+    # events as raw handles: whatever the compiled flush and ring step take or leave
+    # to Python, every destination holds what the last landed copy wrote
+    c, Site, dev, fake, problems = _landing_copier(
+        mode, plan_sites=("A", "B"), eager_site=True, events=True
+    )
+    c._mapped_max = 1 << 20
+    rng = np.random.default_rng(seed)
+    dsts = [dev.zeros((int(k),), np.int32) for k in (1, 7, 300, 4000, 9000, 12)]
+    want = [np.zeros(d_.shape[0], np.int32) for d_ in dsts]
+    for _ in range(40):
+        c.begin()
+        staged = [w.copy() for w in want]
+        for _ in range(int(rng.integers(1, 8))):
+            i = int(rng.integers(len(dsts)))
+            v = rng.integers(-99, 99, dsts[i].shape[0], dtype=np.int32)
+            site = (Site.A, Site.B, Site.E)[int(rng.integers(3))]
+            c.copy(site, dsts[i], v)
+            staged[i] = v
+            if rng.random() < 0.2:
+                c.flush()  # a barrier: the step's next segment starts past this one
+        if rng.random() < 0.1:
+            c.discard()  # what was flushed landed; the rest is dropped
+            dev.synchronize()
+            want = [dev.to_host(d_).copy() for d_ in dsts]
+            continue
+        c.flush()
+        want = staged
+        if rng.random() < 0.5:
+            dev.synchronize()
+            for d_, w in zip(dsts, want):
+                assert np.array_equal(dev.to_host(d_), w)
+    dev.synchronize()
+    for d_, w in zip(dsts, want):
+        assert np.array_equal(dev.to_host(d_), w)
+    assert problems == []
+    # every slot but the current one left clean: none is read behind the ring's back
+    for s_ in c._ring._slots:
+        assert s_ is None or not s_.dirty or s_ is c._ring.current
+    c.close()
+
+
 @needs_both
 @pytest.mark.skipif(
     not _compiled_copier_core_now(), reason="the compiled staging core is not in use"
