@@ -74,6 +74,7 @@ _Static_assert(sizeof(CUDA_KERNEL_NODE_PARAMS) == 72, "CUDA_KERNEL_NODE_PARAMS_v
 
 #define CUDA_SUCCESS 0
 #define CUDA_ERROR_NOT_READY 600
+#define CUDA_ERROR_NOT_FOUND 500
 #define CU_STREAM_NON_BLOCKING 0x1
 #define CU_EVENT_DISABLE_TIMING 0x2
 #define CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR 75
@@ -103,6 +104,7 @@ typedef CUresult (*PFN_cuModuleGetFunction)(CUfunction *, CUmodule, const char *
 typedef CUresult (*PFN_cuStreamCreate)(CUstream *, unsigned);
 typedef CUresult (*PFN_cuStreamSynchronize)(CUstream);
 typedef CUresult (*PFN_cuStreamQuery)(CUstream);
+typedef CUresult (*PFN_cuStreamIsCapturing)(CUstream, int *);
 typedef CUresult (*PFN_cuLaunchKernel)(CUfunction, unsigned, unsigned, unsigned, unsigned,
                                        unsigned, unsigned, unsigned, CUstream, void **,
                                        void **);
@@ -140,6 +142,7 @@ static struct {
     PFN_cuStreamCreate StreamCreate;
     PFN_cuStreamSynchronize StreamSynchronize;
     PFN_cuStreamQuery StreamQuery;
+    PFN_cuStreamIsCapturing StreamIsCapturing;
     PFN_cuLaunchKernel LaunchKernel;
     PFN_cuLaunchKernelEx LaunchKernelEx;
     PFN_cuMemHostAlloc MemHostAlloc;
@@ -202,6 +205,7 @@ static void load_api(void) {
     LOAD(StreamCreate, NULL, "cuStreamCreate");
     LOAD(StreamSynchronize, NULL, "cuStreamSynchronize");
     LOAD(StreamQuery, NULL, "cuStreamQuery");
+    LOAD(StreamIsCapturing, NULL, "cuStreamIsCapturing");
     LOAD(LaunchKernel, NULL, "cuLaunchKernel");
     LOAD(LaunchKernelEx, NULL, "cuLaunchKernelEx");
     LOAD(MemHostAlloc, NULL, "cuMemHostAlloc");
@@ -366,6 +370,13 @@ static CUresult call_event_query_done(variant *v) {
 static CUresult call_stream_query(variant *v) {
     (void)v;
     return api.StreamQuery(g.stream);
+}
+
+static CUresult call_stream_is_capturing(variant *v) {
+    (void)v;
+    int status = 0;
+    return api.StreamIsCapturing ? api.StreamIsCapturing(g.stream, &status)
+                                 : CUDA_ERROR_NOT_FOUND;
 }
 
 static CUresult call_write_value32(variant *v) {
@@ -564,6 +575,8 @@ static variant variants[] = {
      .stream_op = 1, .call = call_event_query_done},
     {.name = "stream_query", .what = "cuStreamQuery (NOT_READY counts as an answer)",
      .stream_op = 1, .not_ready_ok = 1, .call = call_stream_query},
+    {.name = "stream_is_capturing", .what = "cuStreamIsCapturing (the copier asks it each step)",
+     .stream_op = 1, .call = call_stream_is_capturing},
     {.name = "write_value32", .what = "cuStreamWriteValue32 to device memory, flags 0",
      .stream_op = 1, .call = call_write_value32},
     {.name = "graph_launch", .what = "cuGraphLaunch, graph of one empty kernel node",

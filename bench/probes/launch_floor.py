@@ -26,6 +26,8 @@ a ~30 us spin kernel) and ``burst`` (8 calls back to back, timed together). Vari
   pinned host memory;
 - ``event_record``: ``cuEventRecord`` (timing disabled); ``event_query_done``:
   ``cuEventQuery`` of an event that has completed; ``stream_query``: ``cuStreamQuery``;
+- ``stream_is_capturing``: ``cuStreamIsCapturing`` (a copier asks it at each ``begin()``
+  and ``flush()``);
 - ``write_value32``: ``cuStreamWriteValue32`` to device memory;
 - ``graph_launch``: ``cuGraphLaunch`` of a graph of one empty kernel node;
 - ``ctx_get_current``: ``cuCtxGetCurrent`` (no stream operation: a driver call's floor);
