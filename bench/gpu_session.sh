@@ -153,6 +153,8 @@ step step_phases 60 "$PY" bench/probes/step_phases.py --n 32
 step step_phases_n 60 bash -c "for n in 8 128; do \"$PY\" bench/probes/step_phases.py --n \$n --steps 1000 | grep -E '^N='; done"
 # a copy's host cost as a multiple of an empty call (simulated device, both staging paths)
 # the driver's own host cost of one launch (and other stream operations), from C
+# what staging bytes into the ring's page-locked slots costs, against ordinary memory
+step pinned_bytes 40 "$PY" bench/probes/pinned_bytes.py --json "$work/bench/pinned_bytes.json"
 step launch_floor 40 "$PY" bench/probes/launch_floor.py --json "$work/bench/launch_floor.json"
 step host_ratio 60 "$PY" bench/host_ratio.py --steps 1000 --json "$work/bench/host_ratio.json"
 # issue 15: the graph feed's mailbox node against per-step parameter updates and

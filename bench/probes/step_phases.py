@@ -10,8 +10,8 @@ block, for torch CUDA destinations from NumPy and from pinned torch sources and 
 CuPy destinations (sim arrays with ``--sim``); the first variant also with cold caches
 (64 MiB written before each step, as an engine's own work between two uploads leaves
 them), and the same copies chained with ``copy_`` warm and cold; prints the host cost of each torch
-attribute a destination's fingerprint reads, then the top of a cProfile of whole
-steps. Host time only. Answers: ``bench/results/2026-12-01-h200-run23/step_phases.log``
+attribute a destination's fingerprint reads, the same N copies at 16 B to 4 KiB each
+(what a staged byte adds), then the top of a cProfile of whole steps. Host time only. Answers: ``bench/results/2026-12-01-h200-run23/step_phases.log``
 (the first run with it) and every GPU session's since.
 """
 
@@ -101,6 +101,7 @@ def main(argv=None) -> None:
         print("torch attribute reads (a lambda call each):")
         _attributes()
         _flush_sizes(args)
+        _byte_slope(args, sites)
     c, triples = profiled
     copy = c.copy
     pr = cProfile.Profile()
@@ -179,6 +180,21 @@ def _flush_sizes(args) -> None:
             f"flush of {label}: {statistics.median(tf) * 1e6:.2f} us (modes {dict(c.stats.modes)})"
         )
         c.stats.reset()
+    c.close()
+
+
+def _byte_slope(args, sites) -> None:
+    """The same N copies at 16 B to 4 KiB each: what a staged byte adds to a copy."""
+    import torch
+
+    plan = cc.CopyPlan(merge=set(sites))
+    c = cc.DeviceCopier(plan, stream=torch.cuda.Stream())
+    rng = np.random.default_rng(1)
+    for nbytes in (16, 256, 1024, 4096):
+        k = nbytes // 4
+        dsts = [torch.zeros(k, dtype=torch.int32, device="cuda") for _ in sites]
+        srcs = [rng.integers(0, 9, k, dtype=np.int32) for _ in sites]
+        _phases(args, f"torch dst, numpy src, {nbytes} B a copy", c, list(zip(sites, dsts, srcs)))
     c.close()
 
 
