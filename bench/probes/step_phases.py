@@ -11,7 +11,8 @@ CuPy destinations (sim arrays with ``--sim``); the first variant also with cold 
 (64 MiB written before each step, as an engine's own work between two uploads leaves
 them), and the same copies chained with ``copy_`` warm and cold; prints the host cost of each torch
 attribute a destination's fingerprint reads, the same N copies at 16 B to 4 KiB each
-(what a staged byte adds), then the top of a cProfile of whole steps. Host time only. Answers: ``bench/results/2026-12-01-h200-run23/step_phases.log``
+(what a staged byte adds), the bench's own decode mix through N sites and through one,
+then the top of a cProfile of whole steps. Host time only. Answers: ``bench/results/2026-12-01-h200-run23/step_phases.log``
 (the first run with it) and every GPU session's since.
 """
 
@@ -102,6 +103,7 @@ def main(argv=None) -> None:
         _attributes()
         _flush_sizes(args)
         _byte_slope(args, sites)
+        _bench_mix(args, sites)
     c, triples = profiled
     copy = c.copy
     pr = cProfile.Profile()
@@ -195,6 +197,25 @@ def _byte_slope(args, sites) -> None:
         dsts = [torch.zeros(k, dtype=torch.int32, device="cuda") for _ in sites]
         srcs = [rng.integers(0, 9, k, dtype=np.int32) for _ in sites]
         _phases(args, f"torch dst, numpy src, {nbytes} B a copy", c, list(zip(sites, dsts, srcs)))
+    c.close()
+
+
+def _bench_mix(args, sites) -> None:
+    """The bench's own decode mix (``bench._common.decode_mix``: 16 B-8 KiB, int32 and
+    int64), through N sites and through one site as the bench's contenders copy it."""
+    import torch
+
+    from bench._common import decode_mix
+
+    mix = decode_mix(args.n)
+    rng = np.random.default_rng(0)
+    srcs = [rng.integers(1, 1 << 30, size=k).astype(dt) for k, dt in mix]
+    dsts = [torch.zeros(k, dtype=getattr(torch, dt), device="cuda") for k, dt in mix]
+    c = cc.DeviceCopier(cc.CopyPlan(merge=set(sites)), stream=torch.cuda.Stream())
+    label = f"torch dst, numpy src, the bench's mix ({sum(x.nbytes for x in srcs)} B)"
+    _phases(args, label, c, list(zip(sites, dsts, srcs)), drained=True)
+    one = [sites[0]] * len(sites)
+    _phases(args, label + ", one site", c, list(zip(one, dsts, srcs)), drained=True)
     c.close()
 
 
