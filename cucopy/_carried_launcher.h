@@ -13,13 +13,19 @@
  * slot's event, for a launch that reads the slot when it runs): each returns the
  * CUresult (query: 0 complete, 600 not ready), or a negative value when it called
  * nothing (another context current, or no entry point: record and query may be NULL).
+ * carried_at() is carried() that may hand the driver the caller's own bytes instead of
+ * a copy of them: the CARRY_PREFIX bytes before host must be writable and read by
+ * nothing else during the call (it writes the prefix there), and readable is how many
+ * bytes from host on may be read (the driver reads the carrying kernel's whole
+ * capacity). With too few it copies, as carried() does.
+ *
  * abi is LAUNCHER_ABI: a caller built against another layout uses none of it. */
 #ifndef CUCOPY_CARRIED_LAUNCHER_H
 #define CUCOPY_CARRIED_LAUNCHER_H
 
 #include <stddef.h>
 
-#define LAUNCHER_ABI 2
+#define LAUNCHER_ABI 3
 
 typedef struct {
     int (*carried)(void *drv, unsigned long long nblocks, unsigned long long stream,
@@ -28,6 +34,8 @@ typedef struct {
     int abi;
     int (*record)(void *drv, unsigned long long event, unsigned long long stream);
     int (*query)(void *drv, unsigned long long event);
+    int (*carried_at)(void *drv, unsigned long long nblocks, unsigned long long stream,
+                      unsigned long long seg, char *host, size_t nbytes, size_t readable);
 } CarriedLauncher;
 
 #define LAUNCHER_NAME "cucopy.carried_launcher"

@@ -654,6 +654,8 @@ typedef struct {
     Py_buffer view; /* the slot's pinned bytes, held while bound */
     int bound;
     int fast, wide;
+    int64_t headroom; /* free bytes the bound slot has before its first byte (slot.headroom) */
+    int64_t open_lo;  /* the first free byte when the open segment was opened */
     unsigned long owner; /* the thread whose step is open */
     int64_t top, bottom, cursor, seg, data0, reserve, size;
     int64_t peak; /* the largest table cut since the copier last read it */
@@ -736,7 +738,7 @@ static int contains(PyObject *set, PyObject *key) {
 #define SITE_BARRIER 4
 static int site_flags(Segment *s, PyObject *site);
 
-static PyObject *s_array, *s_top, *s_bottom;
+static PyObject *s_array, *s_top, *s_bottom, *s_headroom;
 
 static PyObject *seg_bind(Segment *s, PyObject *slot) {
     PyObject *arr = PyObject_GetAttr(slot, s_array);
@@ -752,6 +754,14 @@ static PyObject *seg_bind(Segment *s, PyObject *slot) {
         s->bound = 1;
         s->slot = Py_NewRef(slot);
         s->size = s->view.len;
+        /* the bytes a carried launch may write before offset 0 (see launch_carried) */
+        PyObject *h = PyObject_GetAttr(slot, s_headroom);
+        s->headroom = h && PyLong_CheckExact(h) ? PyLong_AsLongLong(h) : 0;
+        Py_XDECREF(h);
+        if (s->headroom < 0 || PyErr_Occurred()) {
+            PyErr_Clear();
+            s->headroom = 0;
+        }
     }
     Py_DECREF(arr);
     /* read every time: the ring resets them when it hands the slot out again */
@@ -1412,7 +1422,8 @@ static PyObject *seg_try_skip(Segment *s, PyObject *const *args, Py_ssize_t narg
 }
 
 static void seg_open(Segment *s) {
-    s->seg = align_up(max64(s->bottom, s->cursor), 256);
+    s->open_lo = max64(s->bottom, s->cursor);
+    s->seg = align_up(s->open_lo, 256);
     s->data0 = align_up(s->seg + HEADER_BYTES + s->reserve * DESC_BYTES, ALIGN);
     s->cursor = s->data0;
 }
@@ -1746,6 +1757,25 @@ static PyObject *seg_cut(Segment *s, PyObject *arg) {
  * the launch went through; otherwise (too large, or the launcher launched nothing or
  * failed) cut()'s (seg, end, nblocks, n), for the caller's own path to land. One call
  * at flush instead of cut() and the backend's launch through Python. */
+/* the pack.CARRY_PREFIX bytes a carried launch puts before the segment's bytes */
+#define CARRY_PREFIX 16
+
+/* Launch the open segment's first nbytes carried (it starts at s->seg, device address
+ * dev). When the CARRY_PREFIX bytes before it are free (the slot's headroom before its
+ * offset 0, or the gap seg_open left below the segment) and nothing reads them (every
+ * segment and snapshot lies elsewhere), the launcher writes the launch's prefix there
+ * and hands the driver the slot's own bytes: no copy of the segment first. */
+static int launch_carried(Segment *s, CarriedLauncher *L, int64_t nblocks,
+                          unsigned long long stream, unsigned long long dev, int64_t nbytes) {
+    int64_t off = s->seg;
+    char *host = (char *)s->view.buf + off;
+    if (L->abi == LAUNCHER_ABI && L->carried_at && s->view.len > off &&
+        ((off == 0 && s->headroom >= CARRY_PREFIX) || off - s->open_lo >= CARRY_PREFIX))
+        return L->carried_at(L->drv, (unsigned long long)nblocks, stream, dev, host,
+                             (size_t)nbytes, (size_t)(s->view.len - off));
+    return L->carried(L->drv, (unsigned long long)nblocks, stream, dev, host, (size_t)nbytes);
+}
+
 static PyObject *seg_flush_carried(Segment *s, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 4) {
         PyErr_SetString(PyExc_TypeError,
@@ -1765,8 +1795,7 @@ static PyObject *seg_flush_carried(Segment *s, PyObject *const *args, Py_ssize_t
     if (cut_impl(s, inline_max, &seg, &end, &nblocks, &n) < 0) return NULL;
     int64_t total = end - seg;
     if (total <= inline_max &&
-        L->carried(L->drv, (unsigned long long)nblocks, stream, dev + (unsigned long long)seg,
-                   (const char *)s->view.buf + seg, (size_t)total) == 0)
+        launch_carried(s, L, nblocks, stream, dev + (unsigned long long)seg, total) == 0)
         return PyLong_FromLongLong(total);
     return Py_BuildValue("(LLLn)", (long long)seg, (long long)end, (long long)nblocks, n);
 }
@@ -3269,19 +3298,17 @@ static PyObject *copiercore_flush_fast(CopierCore *c, PyObject *unused) {
     Py_ssize_t n;
     if (cut_impl(seg, carries ? inline_max : -1, &off, &end, &nblocks, &n) < 0) return NULL;
     int64_t total = end - off, head = HEADER_BYTES + (int64_t)n * DESC_BYTES;
-    const char *host = (const char *)seg->view.buf + off;
     PyObject *how;
     if (carries && total <= inline_max) {
-        if (L->carried(L->drv, (unsigned long long)nblocks, stream,
-                       dev + (unsigned long long)off, host, (size_t)total) != 0)
+        if (launch_carried(seg, L, nblocks, stream, dev + (unsigned long long)off, total) != 0)
             goto cut;
         how = s_inline; /* carried whole: no event needed for it */
     } else if (mapped_max >= 0 && head <= inline_max &&
                (mapped_only || total <= mapped_max)) {
         /* _land's mapped launch carrying the header and the table (head <= the largest
          * carry); the uncarried kernel's case stays _land's */
-        if (L->carried(L->drv, (unsigned long long)nblocks, stream,
-                       dev + (unsigned long long)off, host, (size_t)align_up(head, ALIGN)) != 0)
+        if (launch_carried(seg, L, nblocks, stream, dev + (unsigned long long)off,
+                           align_up(head, ALIGN)) != 0)
             goto cut;
         how = s_mapped;
         /* the launch reads the slot when it runs: its event follows it */
@@ -3541,6 +3568,7 @@ PyMODINIT_FUNC PyInit__segment(void) {
     s_event_query = PyUnicode_InternFromString("event_query");
     if (!s_backend || !s_event_query) return NULL;
     s_array = PyUnicode_InternFromString("array");
+    s_headroom = PyUnicode_InternFromString("headroom");
     s_top = PyUnicode_InternFromString("top");
     s_bottom = PyUnicode_InternFromString("bottom");
     if (!s_array || !s_top || !s_bottom) return NULL;

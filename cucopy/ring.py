@@ -19,6 +19,7 @@ import collections
 import threading
 
 from . import pack
+from .backends.base import PinnedBuffer
 from .segment import RingCore as _CompiledRingCore
 from .segment import SlotCore as _CompiledSlotCore
 from .segment import WindowMax as _CompiledWindowMax
@@ -222,12 +223,18 @@ SlotCore = PySlotCore if _CompiledSlotCore is None else _CompiledSlotCore
 RingCore = PyRingCore if _CompiledRingCore is None else _CompiledRingCore
 
 
+#: bytes allocated before each slot's first byte (see :class:`Slot`); a multiple of 256,
+#: so segments keep their alignment
+SLOT_HEADROOM = 256
+
+
 class Slot(SlotCore):  # type: ignore[misc,valid-type]
     """One pinned host buffer, its device staging twin and its event.
 
     Attributes
     ----------
     pinned : PinnedBuffer
+        The slot's bytes (``SLOT_HEADROOM`` more are allocated before them).
     staging : DeviceBuffer
     event : object
         Backend event recorded after the last work reading this slot.
@@ -237,6 +244,8 @@ class Slot(SlotCore):  # type: ignore[misc,valid-type]
         Next free byte for segments (grows upward).
     top : int
         Lowest byte used by eager snapshots (grows downward).
+    headroom : int
+        Bytes allocated before ``pinned``'s first byte that no segment uses.
     temps : list
         Buffers (overflow snapshots, temporaries) the slot's step used; the ring
         takes them back, idle, when the slot is reused.
@@ -245,10 +254,19 @@ class Slot(SlotCore):  # type: ignore[misc,valid-type]
         while a slot is current), freed when the slot is reused.
     """
 
-    __slots__ = ("pinned", "staging", "event", "array", "mv")  # and SlotCore's
+    __slots__ = ("pinned", "staging", "event", "array", "mv", "headroom")  # and SlotCore's
 
     def __init__(self, backend, size: int):
-        self.pinned = backend.alloc_pinned(size)
+        # SLOT_HEADROOM bytes before the slot's first byte, allocated with it and never
+        # used by a segment: a carried launch of a segment at offset 0 writes its
+        # parameter prefix there and hands the driver the slot's own bytes, instead of
+        # copying the segment into a parameter buffer first (the staging core)
+        whole = backend.alloc_pinned(size + SLOT_HEADROOM)
+        h = SLOT_HEADROOM
+        self.pinned = PinnedBuffer(
+            whole.array[h : h + size], whole.ptr + h, whole.device_ptr + h, whole.close
+        )
+        self.headroom = h
         try:
             self.staging = backend.alloc_device(size)
         except BaseException:

@@ -78,6 +78,7 @@ class FakeDriver:
             size = ctypes.cast(extra[3], ctypes.POINTER(ctypes.c_size_t))[0]
             rec["size"] = size
             rec["buffer"] = ctypes.string_at(extra[1], size)
+            rec["buffer_at"] = extra[1]  # where the driver was told to read it
         self.launches.append(rec)
         return self.result
 
@@ -247,6 +248,7 @@ def _staged_copier(sizes):
     dev = SimDevice()
     c = cc.DeviceCopier(cc.CopyPlan(merge=set(sites)), device=dev, backend="sim")
     assert type(c._seg) is CSegment
+    c.test_device, c.test_site = dev, sites[0]
     c.begin()
     rng = np.random.default_rng(len(sizes))
     for s, k in zip(sites, sizes):
@@ -286,6 +288,79 @@ def test_the_staging_core_launches_what_cut_encodes_through_the_launcher():
     for c in (a, b):
         c.discard()
         c.close()
+
+
+@needs_both
+def test_a_segment_at_the_slots_start_is_launched_from_the_slot_itself():
+    # the slot has SLOT_HEADROOM bytes before its first byte: the launch's prefix is
+    # written there and the driver reads the slot's own bytes (no copy of the segment)
+    from cucopy.ring import SLOT_HEADROOM
+
+    fake = FakeDriver()
+    launcher = _driver(fake).launcher()
+    a = _staged_copier([3, 40, 1, 200, 17])
+    slot = a._seg.slot
+    assert slot.headroom == SLOT_HEADROOM >= pack.CARRY_PREFIX and a._seg.seg == 0
+    total = a._seg.flush_carried(launcher, 0xABC, 4096, 0x7000000)
+    (rec,) = fake.launches
+    assert rec["buffer_at"] == slot.pinned.ptr - pack.CARRY_PREFIX
+    seg, nbytes, _ = struct.unpack_from("<QII", rec["buffer"])
+    assert seg == 0x7000000 and nbytes == total
+    assert rec["buffer"][pack.CARRY_PREFIX : pack.CARRY_PREFIX + total] == bytes(slot.array[:total])
+    # the prefix went into the headroom, below the slot's first byte
+    assert ctypes.string_at(slot.pinned.ptr - pack.CARRY_PREFIX, 16) == rec["buffer"][:16]
+    a.discard()
+    a.close()
+
+
+@needs_both
+def test_a_later_segment_is_launched_in_place_only_past_a_free_gap():
+    # a second segment of the step: in place when seg_open left CARRY_PREFIX free bytes
+    # below it, else copied (the bytes below may be a pending mapped segment's data)
+    fake = FakeDriver()
+    launcher = _driver(fake).launcher()
+    for gap, in_place in ((0, False), (8, False), (16, True), (40, True)):
+        c = _staged_copier([3])
+        slot = c._seg.slot
+        c._seg.flush_carried(launcher, 1, 4096, 0x7000000)
+        c._seg.finish()  # as the copier does after a launch
+        # the first free byte, placed `gap` bytes below a 256-byte boundary
+        boundary = pack.align(c._seg.cursor + 64, 256)
+        c._seg.set_cursor(boundary - gap)
+        c.copy(c.test_site, c.test_device.zeros((5,), np.int32), np.arange(5, dtype=np.int32))
+        seg = c._seg.seg
+        assert seg == boundary
+        slot.array[seg - 16 : seg] = 0xAB  # stands for a pending segment's data
+        c._seg.flush_carried(launcher, 1, 4096, 0x7000000)
+        rec = fake.launches[-1]
+        assert (rec["buffer_at"] == slot.pinned.ptr + seg - pack.CARRY_PREFIX) is in_place
+        if not in_place:
+            assert bytes(slot.array[seg - 16 : seg]) == b"\xab" * 16  # nothing written
+        c.discard()
+        c.close()
+
+
+@needs_both
+def test_a_slot_without_headroom_is_never_written_before_its_first_byte():
+    # a segment bound to a slot that declares no headroom copies the segment instead
+    fake = FakeDriver()
+    launcher = _driver(fake).launcher()
+    c = _staged_copier([7, 9])
+    c.discard()
+    c.begin()
+    slot = c._seg.slot
+    slot.headroom = 0
+    c._seg.unbind()
+    c._seg.bind(slot)  # exported afresh: reads the headroom again
+    c.copy(c.test_site, c.test_device.zeros((5,), np.int32), np.arange(5, dtype=np.int32))
+    assert c._seg.seg == 0
+    before = ctypes.string_at(slot.pinned.ptr - pack.CARRY_PREFIX, 16)
+    c._seg.flush_carried(launcher, 1, 4096, 0x7000000)
+    (rec,) = fake.launches
+    assert rec["buffer_at"] != slot.pinned.ptr - pack.CARRY_PREFIX
+    assert ctypes.string_at(slot.pinned.ptr - pack.CARRY_PREFIX, 16) == before
+    c.discard()
+    c.close()
 
 
 @needs_both

@@ -229,6 +229,29 @@ static int carried_impl(void *drv, unsigned long long nblocks, unsigned long lon
                         (void *)(uintptr_t)stream, NULL, extra);
 }
 
+/* carried() launching from the caller's bytes: the prefix is written into the PREFIX
+ * bytes before host (the caller's, unread by anything else during the call) and the
+ * driver reads host - PREFIX on, when readable covers the kernel's whole capacity;
+ * otherwise a copy, as carried_impl. */
+static int carried_at_impl(void *drv, unsigned long long nblocks, unsigned long long stream,
+                           unsigned long long seg, char *host, size_t nbytes, size_t readable) {
+    Driver *self = (Driver *)drv;
+    int k = 0;
+    while (k < self->ncaps && self->caps[k] < nbytes) k++;
+    if (k == self->ncaps || nblocks == 0 || nblocks > 0x7fffffffULL || !self->threads) return -1;
+    if (readable < self->caps[k])
+        return carried_impl(drv, nblocks, stream, seg, host, nbytes);
+    if (!same_context(self)) return OTHER_CONTEXT;
+    size_t size = PREFIX + self->caps[k];
+    char *buf = host - PREFIX;
+    uint32_t counts[2] = {(uint32_t)nbytes, 0};
+    memcpy(buf, &seg, 8);
+    memcpy(buf + 8, counts, 8);
+    void *extra[5] = {PARAM_BUFFER_POINTER, buf, PARAM_BUFFER_SIZE, &size, PARAM_END};
+    return self->launch(self->carried[k], (unsigned)nblocks, 1, 1, self->threads, 1, 1, 0,
+                        (void *)(uintptr_t)stream, NULL, extra);
+}
+
 static PyObject *Driver_carried(Driver *self, PyObject *const *args, Py_ssize_t nargs) {
     unsigned long long v[5];
     if (ull_args(args, nargs, 5, v, "carried(nblocks, stream, seg, host, nbytes)") < 0)
@@ -279,6 +302,7 @@ static PyObject *Driver_launcher(Driver *self, PyObject *Py_UNUSED(unused)) {
     self->launcher.abi = LAUNCHER_ABI;
     self->launcher.record = record_impl;
     self->launcher.query = query_impl;
+    self->launcher.carried_at = carried_at_impl;
     PyObject *cap = PyCapsule_New(&self->launcher, LAUNCHER_NAME, launcher_free);
     if (!cap) return NULL;
     if (PyCapsule_SetContext(cap, Py_NewRef(self)) < 0) {
