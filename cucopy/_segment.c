@@ -3232,11 +3232,6 @@ static int bump(PyObject *obj, PyObject *name, long long by) {
 
 static PyObject *s_segments, *s_bytes_staged, *s_modes, *s_inline, *s_mapped;
 
-/* the largest mapped segment of at most _MAPPED_MAX_DESCS descriptors whose header and
- * table a launch cannot carry (copier.py's _UNCARRIED_MAPPED_MAX, _MAPPED_MAX_DESCS) */
-#define MAPPED_MAX_DESCS 64
-#define UNCARRIED_MAPPED_MAX (128 * 1024)
-
 /* stats.modes[how] += 1, stats.segments += 1, stats.bytes_staged += total */
 static int count_segment(CopierCore *c, PyObject *how, int64_t total) {
     PyObject *modes = PyObject_GetAttr(c->stats, s_modes);
