@@ -828,6 +828,33 @@ def _compiled_copier_core() -> bool:
 
 
 @needs_both
+@pytest.mark.skipif(
+    not _compiled_copier_core_now(), reason="the compiled staging core is not in use"
+)
+def test_a_failing_compiled_event_query_leaves_the_step_to_the_python_path():
+    # cuEventQuery answering an error (not 0, not NOT_READY): the ring's compiled step
+    # declines, and the Python path asks the backend, which answers for the same event
+    c, Site, dev, fake, problems = _landing_copier("mapped", events=True)
+    a = dev.zeros((9000,), np.int32)
+    slots = c._ring.slots
+    for k in range(slots):  # every slot used and recorded once
+        with c.step():
+            c.copy(Site.A, a, np.full(9000, k, np.int32))
+        dev.synchronize()
+    advances = c._ring.fast_advances
+    fake.event_result = 999  # every event call fails from now on (the record too)
+    for k in range(slots, 3 * slots):
+        with c.step():
+            c.copy(Site.A, a, np.full(9000, k, np.int32))
+        dev.synchronize()
+        assert dev.to_host(a).tolist() == [k] * 9000
+        assert c._ring.current.recorded and not c._ring.current.dirty
+    assert c._ring.fast_advances == advances  # each step asked and declined
+    assert len(fake.queries) >= 2 * slots and problems == []
+    c.close()
+
+
+@needs_both
 @pytest.mark.skipif(not _compiled_copier_core(), reason="the compiled staging core is not in use")
 @pytest.mark.parametrize(
     "why", ["dma", "no_launcher", "check_mode", "capturing", "mapped_without_event_handles"]
