@@ -671,7 +671,8 @@ typedef struct {
 static int seg_traverse(Segment *s, visitproc visit, void *arg) {
     Py_VISIT(s->merge); Py_VISIT(s->barriers); Py_VISIT(s->fills); Py_VISIT(s->slot);
     for (Py_ssize_t i = 0; i < s->ccap; i++) Py_VISIT(s->ckeys[i]);
-    Py_VISIT(s->entries); Py_VISIT(s->spare); Py_VISIT(s->dcache); Py_VISIT(s->scache); Py_VISIT(s->vtypes);
+    Py_VISIT(s->entries); Py_VISIT(s->spare);
+    Py_VISIT(s->dcache); Py_VISIT(s->scache); Py_VISIT(s->vtypes);
     return 0; /* the fronts hold Cached entries only: they reference nothing back */
 }
 
@@ -687,7 +688,8 @@ static int seg_clear(Segment *s) {
     seg_release(s);
     Py_CLEAR(s->merge); Py_CLEAR(s->barriers); Py_CLEAR(s->fills);
     for (Py_ssize_t i = 0; i < s->ccap; i++) Py_CLEAR(s->ckeys[i]);
-    Py_CLEAR(s->entries); Py_CLEAR(s->spare); Py_CLEAR(s->dcache); Py_CLEAR(s->scache); Py_CLEAR(s->vtypes);
+    Py_CLEAR(s->entries); Py_CLEAR(s->spare);
+    Py_CLEAR(s->dcache); Py_CLEAR(s->scache); Py_CLEAR(s->vtypes);
     front_clear(&s->dfront);
     front_clear(&s->sfront);
     return 0;

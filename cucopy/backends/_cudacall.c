@@ -203,6 +203,41 @@ static PyObject *Driver_is_capturing(Driver *self, PyObject *arg) {
     return PyLong_FromLong(rc ? -(long)rc : (long)status);
 }
 
+/* the carried kernel (its index in caps) of the smallest capacity holding nbytes, or
+ * -1 when none does or the grid is out of range */
+static int carry_kernel(Driver *self, unsigned long long nblocks, size_t nbytes) {
+    int k = 0;
+    while (k < self->ncaps && self->caps[k] < nbytes) k++;
+    if (k == self->ncaps || nblocks == 0 || nblocks > 0x7fffffffULL || !self->threads) return -1;
+    return k;
+}
+
+/* write the prefix {seg, nbytes, 0} at buf (8-byte aligned, as the kernel's parameter
+ * struct is; the carried bytes follow it) and launch carried kernel k on it: the
+ * driver reads PREFIX + caps[k] bytes from buf during the call. The kernel reads only
+ * the bytes carried; the rest of the capacity is left as is. */
+static int launch_prefixed(Driver *self, int k, unsigned long long nblocks,
+                           unsigned long long stream, char *buf, unsigned long long seg,
+                           size_t nbytes) {
+    uint32_t counts[2] = {(uint32_t)nbytes, 0};
+    memcpy(buf, &seg, 8);
+    memcpy(buf + 8, counts, 8);
+    size_t size = PREFIX + self->caps[k];
+    void *extra[5] = {PARAM_BUFFER_POINTER, buf, PARAM_BUFFER_SIZE, &size, PARAM_END};
+    /* the GIL is held throughout (see the top of this file) */
+    return self->launch(self->carried[k], (unsigned)nblocks, 1, 1, self->threads, 1, 1, 0,
+                        (void *)(uintptr_t)stream, NULL, extra);
+}
+
+/* launch_prefixed on a copy of host's nbytes in a parameter buffer of its own */
+static int launch_copied(Driver *self, int k, unsigned long long nblocks,
+                         unsigned long long stream, unsigned long long seg, const void *host,
+                         size_t nbytes) {
+    uint64_t buf[(PREFIX + 32768) / 8]; /* capacities are at most 32 KiB (kernels()) */
+    memcpy((char *)buf + PREFIX, host, nbytes);
+    return launch_prefixed(self, k, nblocks, stream, (char *)buf, seg, nbytes);
+}
+
 /* carried(nblocks, stream, seg, host, nbytes) -> CUresult, or -1 when no capacity
  * holds nbytes (or the grid is out of range), OTHER_CONTEXT when another context is
  * current. Copies nbytes from host into a parameter buffer after the prefix
@@ -211,22 +246,10 @@ static PyObject *Driver_is_capturing(Driver *self, PyObject *arg) {
 static int carried_impl(void *drv, unsigned long long nblocks, unsigned long long stream,
                         unsigned long long seg, const void *host, size_t nbytes) {
     Driver *self = (Driver *)drv;
-    int k = 0;
-    while (k < self->ncaps && self->caps[k] < nbytes) k++;
-    if (k == self->ncaps || nblocks == 0 || nblocks > 0x7fffffffULL || !self->threads) return -1;
+    int k = carry_kernel(self, nblocks, nbytes);
+    if (k < 0) return -1;
     if (!same_context(self)) return OTHER_CONTEXT;
-    size_t size = PREFIX + self->caps[k];
-    /* 8-byte aligned, as the kernel's parameter struct is */
-    uint64_t buf[(PREFIX + 32768) / 8]; /* capacities are at most 32 KiB (kernels()) */
-    buf[0] = seg;
-    ((uint32_t *)buf)[2] = (uint32_t)nbytes;
-    ((uint32_t *)buf)[3] = 0;
-    memcpy((char *)buf + PREFIX, host, nbytes);
-    /* the kernel reads only the bytes carried; the rest of the capacity is left as is */
-    void *extra[5] = {PARAM_BUFFER_POINTER, buf, PARAM_BUFFER_SIZE, &size, PARAM_END};
-    /* the GIL is held throughout (see the top of this file) */
-    return self->launch(self->carried[k], (unsigned)nblocks, 1, 1, self->threads, 1, 1, 0,
-                        (void *)(uintptr_t)stream, NULL, extra);
+    return launch_copied(self, k, nblocks, stream, seg, host, nbytes);
 }
 
 /* carried() launching from the caller's bytes: the prefix is written into the PREFIX
@@ -236,20 +259,11 @@ static int carried_impl(void *drv, unsigned long long nblocks, unsigned long lon
 static int carried_at_impl(void *drv, unsigned long long nblocks, unsigned long long stream,
                            unsigned long long seg, char *host, size_t nbytes, size_t readable) {
     Driver *self = (Driver *)drv;
-    int k = 0;
-    while (k < self->ncaps && self->caps[k] < nbytes) k++;
-    if (k == self->ncaps || nblocks == 0 || nblocks > 0x7fffffffULL || !self->threads) return -1;
-    if (readable < self->caps[k])
-        return carried_impl(drv, nblocks, stream, seg, host, nbytes);
+    int k = carry_kernel(self, nblocks, nbytes);
+    if (k < 0) return -1;
     if (!same_context(self)) return OTHER_CONTEXT;
-    size_t size = PREFIX + self->caps[k];
-    char *buf = host - PREFIX;
-    uint32_t counts[2] = {(uint32_t)nbytes, 0};
-    memcpy(buf, &seg, 8);
-    memcpy(buf + 8, counts, 8);
-    void *extra[5] = {PARAM_BUFFER_POINTER, buf, PARAM_BUFFER_SIZE, &size, PARAM_END};
-    return self->launch(self->carried[k], (unsigned)nblocks, 1, 1, self->threads, 1, 1, 0,
-                        (void *)(uintptr_t)stream, NULL, extra);
+    if (readable < self->caps[k]) return launch_copied(self, k, nblocks, stream, seg, host, nbytes);
+    return launch_prefixed(self, k, nblocks, stream, host - PREFIX, seg, nbytes);
 }
 
 static PyObject *Driver_carried(Driver *self, PyObject *const *args, Py_ssize_t nargs) {
