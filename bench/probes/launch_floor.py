@@ -53,6 +53,11 @@ import sys
 import tempfile
 from pathlib import Path
 
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from cucopy import kernels  # noqa: E402 - NVRTC helpers only: the timed calls are C
+
 HERE = Path(__file__).resolve().parent
 C_SOURCE = HERE / "launch_floor.c"
 GCC_FLAGS = ("-O2", "-std=c11", "-Wall", "-Wextra")
@@ -102,7 +107,7 @@ extern "C" __global__ void k_32k(const __grid_constant__ PB<32736> p) { read_all
 
 
 def _nvrtc():
-    """Import cuda-python's NVRTC bindings.
+    """Import cuda-python's NVRTC bindings (as the kernel build does).
 
     Returns
     -------
@@ -115,48 +120,16 @@ def _nvrtc():
         If cuda-python is not installed.
     """
     try:
-        from cuda.bindings import nvrtc
+        return kernels._nvrtc()
     except ImportError:
-        try:
-            from cuda import nvrtc  # cuda-python < 12.6 kept the bindings here
-        except ImportError:
-            raise SystemExit(
-                "launch_floor: NVRTC not found: this probe needs cuda-python "
-                "(pip install cuda-python nvidia-cuda-nvrtc)"
-            ) from None
-    return nvrtc
+        raise SystemExit(
+            "launch_floor: NVRTC not found: this probe needs cuda-python "
+            "(pip install cuda-python nvidia-cuda-nvrtc)"
+        ) from None
 
 
-def _check(nvrtc, result, what: str, log: str = ""):
-    """Unpack an NVRTC call's result tuple, raising on an error code.
-
-    Parameters
-    ----------
-    nvrtc : module
-        The NVRTC bindings.
-    result : tuple
-        What the binding returned: the ``nvrtcResult`` first, then any outputs.
-    what : str
-        The step, for the message.
-    log : str
-        The compile log, appended to the message.
-
-    Returns
-    -------
-    object
-        The single output, a list of the outputs, or ``[]``.
-
-    Raises
-    ------
-    RuntimeError
-        If the result is not ``NVRTC_SUCCESS``.
-    """
-    err, *rest = result
-    if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
-        _, msg = nvrtc.nvrtcGetErrorString(err)
-        text = msg.decode() if isinstance(msg, bytes) else str(msg)
-        raise RuntimeError(f"NVRTC {what} failed: {text}" + (f"\n{log}" if log else ""))
-    return rest[0] if len(rest) == 1 else rest
+# an NVRTC call's result unpacked, raising on an error code (the kernel build's own)
+_check = kernels._check
 
 
 def compile_cubin(arch: str) -> tuple[bytes, str]:
