@@ -435,9 +435,9 @@ def test_entries_someone_holds_are_not_recycled_by_the_next_steps(twin):
 
 
 def test_more_live_arrays_than_the_front_cache_holds_stay_on_the_fast_path(twin):
-    # the compiled twin keeps a direct-mapped table (512 slots) in front of its
-    # dict caches: arrays that share a slot evict each other and are found again in
-    # the dict; every copy lands, none takes the general path once seen
+    # the compiled twin keeps a table (512 sets of 4) in front of its dict caches:
+    # arrays that share a full set evict each other and are found again in the dict;
+    # every copy lands, none takes the general path once seen
     dev = SimDevice(policy="lazy")
     sites = cc.CopySite("Many", [(f"s{i}", cc.H2D) for i in range(4)])
     c = cc.DeviceCopier(
@@ -459,6 +459,32 @@ def test_more_live_arrays_than_the_front_cache_holds_stay_on_the_fast_path(twin)
             assert dev.to_host(dsts[i]).tolist() == [i + k, k]
     assert calls == []
     assert all(dev.to_host(d).tolist() == [i + 1, 1] for i, d in enumerate(dsts))
+    c.close()
+
+
+@pytest.mark.skipif(CSegment is None, reason="the compiled twin is not built")
+def test_a_step_of_512_destinations_is_found_in_the_front_table():
+    # 512 sets of 4 ways: a step's 512 destinations seldom overflow a set, so nearly
+    # every lookup after the first step is a front hit (a direct-mapped table of the
+    # same size missed about a quarter of them, each a dict probe and a new int)
+    dev = SimDevice(policy="lazy")
+    sites = cc.CopySite("Front", [("s", cc.H2D)])
+    c = cc.DeviceCopier(
+        cc.CopyPlan(merge=set(sites)), stream=dev.default_stream, device=dev, backend="sim"
+    )
+    assert type(c._seg) is CSegment
+    dsts = [dev.zeros((2,), np.int32) for _ in range(512)]
+    srcs = [np.array([i, 1], np.int32) for i in range(512)]
+    with c.step():
+        for d, x in zip(dsts, srcs):
+            c.copy(sites.s, d, x)
+    before = c._seg.front_misses
+    for _ in range(4):
+        with c.step():
+            for d, x in zip(dsts, srcs):
+                c.copy(sites.s, d, x)
+    assert c._seg.front_misses - before < 0.05 * 4 * 512
+    assert c.stats.sites[sites.s].merged == 5 * 512
     c.close()
 
 
