@@ -90,6 +90,11 @@ class CopyStats:
     pending_skipped : list
         The same for skipped copies (``DeviceCopyBuffer.update``'s fast path counts
         its skips apart, see :mod:`cucopy.buffer`).
+    pending_totals : list
+        Callables returning ``(steps, segments, bytes_staged, inline, mapped)``
+        counted elsewhere since their last call (the copier's compiled ``begin()``
+        and ``flush()`` count in C); folded into the totals below whenever one of
+        them is read.
     steps : int
         Steps begun.
     segments : int
@@ -108,12 +113,9 @@ class CopyStats:
 
     pending: list[Callable[[], dict]]
     pending_skipped: list[Callable[[], dict]]
-    steps: int
-    segments: int
-    bytes_staged: int
+    pending_totals: list[Callable[[], tuple]]
     host_waits: int
     eager_flushes: int
-    modes: dict[str, int]
 
     def __init__(self) -> None:
         self._sites: collections.defaultdict[CopySite, SiteStats] = collections.defaultdict(
@@ -121,7 +123,63 @@ class CopyStats:
         )
         self.pending = []
         self.pending_skipped = []
+        self.pending_totals = []
         self._zero()
+
+    def _fold_totals(self) -> None:
+        for take in self.pending_totals:
+            steps, segments, nbytes, inline, mapped = take()
+            self._steps += steps
+            self._segments += segments
+            self._bytes_staged += nbytes
+            if inline or mapped:
+                modes = self._modes
+                modes["inline"] += inline
+                modes["mapped"] += mapped
+
+    @property
+    def steps(self) -> int:
+        """Steps begun."""
+        self._fold_totals()
+        return self._steps
+
+    @steps.setter
+    def steps(self, value: int) -> None:
+        self._fold_totals()
+        self._steps = value
+
+    @property
+    def segments(self) -> int:
+        """Segments flushed."""
+        self._fold_totals()
+        return self._segments
+
+    @segments.setter
+    def segments(self, value: int) -> None:
+        self._fold_totals()
+        self._segments = value
+
+    @property
+    def bytes_staged(self) -> int:
+        """Bytes of all flushed segments."""
+        self._fold_totals()
+        return self._bytes_staged
+
+    @bytes_staged.setter
+    def bytes_staged(self, value: int) -> None:
+        self._fold_totals()
+        self._bytes_staged = value
+
+    @property
+    def modes(self) -> dict[str, int]:
+        """Segments by how they reached the kernel (``dma``, ``mapped``, ``inline``)."""
+        self._fold_totals()
+        return self._modes
+
+    @modes.setter
+    def modes(self, value: dict[str, int]) -> None:
+        self._fold_totals()
+        self._modes = value
 
     def fold(self) -> None:
         """Add the counts still pending (the copier's segment keeps them) to ``sites``."""
@@ -141,18 +199,18 @@ class CopyStats:
 
     def reset(self) -> None:
         """Zero every counter (counts still pending are dropped too)."""
-        for fold in (*self.pending, *self.pending_skipped):
+        for fold in (*self.pending, *self.pending_skipped, *self.pending_totals):
             fold()
         self._sites.clear()
         self._zero()
 
     def _zero(self) -> None:
-        self.steps = 0
-        self.segments = 0
-        self.bytes_staged = 0
+        self._steps = 0
+        self._segments = 0
+        self._bytes_staged = 0
         self.host_waits = 0
         self.eager_flushes = 0
-        self.modes = {"dma": 0, "mapped": 0, "inline": 0}
+        self._modes = {"dma": 0, "mapped": 0, "inline": 0}
 
     def as_dict(self) -> dict:
         """Counters as plain values, sites keyed by ``Class.MEMBER``."""

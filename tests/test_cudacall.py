@@ -755,6 +755,43 @@ def test_a_mapped_segment_lands_from_the_staging_core_with_its_event(mode):
     c.close()
 
 
+def test_stats_count_the_compiled_steps_when_read_and_a_reset_drops_them():
+    # the compiled begin() and flush() count in C; stats folds the counts in whenever
+    # a total is read, and a reset drops what was counted before it
+    from cucopy import copier as copier_mod
+
+    compiled = copier_mod._CopierCore is not copier_mod.PyCopierCore
+    c, Site, dev, fake, problems = _landing_copier("auto")
+    c._cap_query, c._cap_arg = (lambda stream: 0), 77  # never capturing: begin() compiled
+    d = dev.zeros((4,), np.int32)
+    with c.step():
+        c.copy(Site.A, d, np.arange(4, dtype=np.int32))
+    st = c.stats
+    one = st.bytes_staged
+    assert one > 16 and (st.steps, st.segments, st.modes["inline"]) == (1, 1, 1)
+    for k in range(7):  # round the ring twice: once its slots exist, begin() is compiled
+        with c.step():
+            c.copy(Site.A, d, np.arange(4, dtype=np.int32) + k)
+    # counted in C (compiled)
+    assert c._fast_begins >= 4 if compiled else c._fast_begins == 0
+    assert c._fast_flushes == (8 if compiled else 0)
+    assert st.as_dict()["steps"] == 8 and st.segments == 8 and st.bytes_staged == 8 * one
+    assert st.modes == {"dma": 0, "mapped": 0, "inline": 8}
+    assert c._take_counts() == (0,) * 5  # all folded by the reads above
+    with c.step():
+        c.copy(Site.A, d, np.arange(4, dtype=np.int32))
+    st.reset()  # the step above was counted (in C) before the reset: dropped
+    assert (st.steps, st.segments, st.bytes_staged) == (0, 0, 0)
+    assert st.modes == {"dma": 0, "mapped": 0, "inline": 0}
+    with c.step():
+        c.copy(Site.A, d, np.arange(4, dtype=np.int32))
+    st.steps += 10  # a total set from Python keeps what C counted before it
+    assert (st.steps, st.segments, st.modes["inline"]) == (11, 1, 1)
+    assert "steps=11 segments=1" in str(st)
+    assert problems == [] and dev.to_host(d).tolist() == [0, 1, 2, 3]
+    c.close()
+
+
 @pytest.mark.parametrize("mode", ["auto", "mapped", "inline"])
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_random_steps_land_through_the_compiled_flushes_with_events(mode, seed):
