@@ -13,9 +13,9 @@ buffer per input, cucopy with nothing merged, and cucopy ``dma``, ``mapped`` and
 
 Measured:
 - host µs per copy: wall time of issuing the step / N, the stream drained first
-  (no hold), median and p10-p90 over ``--reps``, taken for all contenders of an N in
-  two passes, the second in reverse order (the host's drift during a run weighs on
-  every contender alike);
+  (no hold), median and p10-p90 over ``--reps``, taken in four rounds over all N
+  (alternating direction), each N's contenders in two passes, the second in reverse
+  order (the host's drift during a run weighs on every contender and every N alike);
 - GPU µs per step: CUDA events around the step, enqueued while a spin kernel stalls
   the stream, so the interval is the step's operations running back to back, without
   the host's launch gaps (GPU only);
@@ -39,6 +39,9 @@ from bench import _common as common  # noqa: E402
 from bench import _device as devmod  # noqa: E402
 
 NAME = "step_cost"
+
+#: rounds over all N of the host-time passes (see :func:`run`)
+ROUNDS = 4
 
 
 def contender_classes(ctx, contenders=None) -> list:
@@ -87,6 +90,7 @@ def run(ctx, n_list, reps: int, warmup: int, progress=None, contenders=None, see
     }
     for c in classes:
         out["contenders"][c.name] = c.description
+    groups = []  # (n, total, built) for every N, all built before any timing
     for n in n_list:
         mix = common.decode_mix(n, seed)
         total = common.mix_bytes(mix)
@@ -101,16 +105,41 @@ def run(ctx, n_list, reps: int, warmup: int, progress=None, contenders=None, see
         for cls in classes:
             notes: list = []
             built.append((cls, devmod.build(cls, ctx, wl, notes), notes))
-        live = [c for _, c, _ in built if c is not None]
-        # every contender's host time in two passes, the second reversed
-        # (devmod.host_passes: the host's drift during the run weighs on all alike)
-        host, ops = devmod.host_by_contender(ctx, live, reps, warmup, out["notes"], f"N={n}")
+        groups.append((n, total, built))
+    # every contender's host time, every N alike: ROUNDS rounds over the N (the
+    # direction alternating), each N's contenders in two passes, the second reversed
+    # (devmod.host_passes). The host's drift during the run weighs on all contenders
+    # and all N alike; up to session 9 each N was timed in one block, and a lent
+    # host's slow spell could fall on one N alone (run 41: N = 8 only).
+    host: dict = {}
+    ops: dict = {}
+    rounds = ROUNDS if reps >= 4 * ROUNDS else 1
+    for r in range(rounds):
+        share = reps // rounds + (1 if r < reps % rounds else 0)
+        for n, _, built in groups if r % 2 == 0 else groups[::-1]:
+            live = [c for _, c, _ in built if c is not None]
+            h, o = devmod.host_by_contender(
+                ctx, live, share, warmup if r == 0 else max(2, warmup // 4), out["notes"], f"N={n}"
+            )
+            for k, v in h.items():
+                host.setdefault(k, []).extend(v)
+            for k, v in o.items():
+                if v is not None:
+                    ops.setdefault(k, []).append(v)
+    for n, total, built in groups:
         for cls, c, notes in built:
             row = {"contender": cls.name, "n": n, "total_bytes": total, "verified": c is not None}
             if c is not None:
                 try:
+                    h = host.get(id(c))
+                    o = ops.get(id(c))
                     r = devmod.measure(
-                        ctx, c, reps, warmup, host=host.get(id(c)), ops=ops.get(id(c))
+                        ctx,
+                        c,
+                        reps,
+                        warmup,
+                        host=h if h is not None and len(h) == reps else None,
+                        ops=sum(o) / len(o) if o else None,
                     )
                     r["host_us_per_copy"] = common.summarize(
                         [x / n for x in r["host_us"]["samples"]]
