@@ -156,6 +156,8 @@ step step_phases_n 60 bash -c "for n in 8 128; do \"$PY\" bench/probes/step_phas
 # what staging bytes into the ring's page-locked slots costs, against ordinary memory
 step pinned_bytes 40 "$PY" bench/probes/pinned_bytes.py --json "$work/bench/pinned_bytes.json"
 step launch_floor 40 "$PY" bench/probes/launch_floor.py --json "$work/bench/launch_floor.json"
+# is a slow spell of the lent host a time or a CPU (each CPU in turn, chained copy_ and cucopy)
+step host_cpus 40 "$PY" bench/probes/host_cpus.py --json "$work/bench/host_cpus.json"
 step host_ratio 60 "$PY" bench/host_ratio.py --steps 1000 --json "$work/bench/host_ratio.json"
 # issue 15: the graph feed's mailbox node against per-step parameter updates and
 # today's separate inline launch (GPU periods behind a stall, host us per step)
