@@ -2984,24 +2984,19 @@ static inline long long floordiv(long long a, long long b) {
     return (a % b != 0 && ((a < 0) != (b < 0))) ? q - 1 : q;
 }
 
-static PyObject *ringcore_advance_fast(RingCore *r, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 4) {
-        PyErr_SetString(PyExc_TypeError, "advance_fast(seg, tables, cap_for, cap)");
-        return NULL;
-    }
-    long long cap_for, cap;
-    if (!int_field(args[2], &cap_for) || !int_field(args[3], &cap)) {
-        PyErr_Clear();
-        Py_RETURN_NONE;
-    }
-    if (Py_TYPE(args[0]) != &SegmentType || Py_TYPE(args[1]) != &WindowMaxType ||
+/* advance_fast's work: 1 advanced (*slot_out borrowed, *cap_for and *cap updated),
+ * 0 the Python path's (nothing changed, no exception set), -1 an error */
+static int ring_advance(RingCore *r, PyObject *segobj, PyObject *tablesobj, long long *cap_for_p,
+                        long long *cap_p, PyObject **slot_out) {
+    long long cap_for = *cap_for_p, cap = *cap_p;
+    if (Py_TYPE(segobj) != &SegmentType || Py_TYPE(tablesobj) != &WindowMaxType ||
         !r->demand || Py_TYPE(r->demand) != &WindowMaxType || !r->slots ||
         !PyList_CheckExact(r->slots))
-        Py_RETURN_NONE;
-    Segment *seg = (Segment *)args[0];
-    WindowMax *tables = (WindowMax *)args[1], *demand = (WindowMax *)r->demand;
+        return 0;
+    Segment *seg = (Segment *)segobj;
+    WindowMax *tables = (WindowMax *)tablesobj, *demand = (WindowMax *)r->demand;
     /* the previous slot: left clean (nothing to record) */
-    if (!r->current || !PyObject_TypeCheck(r->current, &SlotCoreType)) Py_RETURN_NONE;
+    if (!r->current || !PyObject_TypeCheck(r->current, &SlotCoreType)) return 0;
     SlotCore *prev = (SlotCore *)r->current;
     long long pbottom, psize, ptop, want, index, peak, target, size, acquires;
     if (prev->dirty != Py_False || !int_field(prev->bottom, &pbottom) ||
@@ -3010,34 +3005,34 @@ static PyObject *ringcore_advance_fast(RingCore *r, PyObject *const *args, Py_ss
         !int_field(r->peak, &peak) || !int_field(r->target_size, &target) ||
         !int_field(r->acquires, &acquires)) {
         PyErr_Clear();
-        Py_RETURN_NONE;
+        return 0;
     }
     /* the next slot: idle, no temporaries, sized for the demand the ring sized for */
     Py_ssize_t n = PyList_GET_SIZE(r->slots);
-    if (n == 0) Py_RETURN_NONE;
+    if (n == 0) return 0;
     index = index + 1 >= n ? 0 : index + 1;
     PyObject *slotobj = PyList_GET_ITEM(r->slots, index);
-    if (!PyObject_TypeCheck(slotobj, &SlotCoreType)) Py_RETURN_NONE;
+    if (!PyObject_TypeCheck(slotobj, &SlotCoreType)) return 0;
     SlotCore *slot = (SlotCore *)slotobj;
     if ((slot->recorded != Py_False && slot->recorded != Py_True) || slot->dirty == NULL ||
         !empty_list(slot->temps) || !empty_list(slot->frees) || !int_field(slot->size, &size)) {
         PyErr_Clear();
-        Py_RETURN_NONE;
+        return 0;
     }
     int64_t used = want + pbottom + psize - ptop;
-    if (wm_peek(demand, used) != peak || size < target || size > 2 * target) Py_RETURN_NONE;
+    if (wm_peek(demand, used) != peak || size < target || size > 2 * target) return 0;
     if (slot->recorded == Py_True) {
         /* its step's work recorded an event: idle once that completed (the query has no
          * side effect; not yet complete, the Python path queries again and waits) */
         if (!r->events || !PyList_CheckExact(r->events) || PyList_GET_SIZE(r->events) != n)
-            Py_RETURN_NONE;
+            return 0;
         PyObject *ev = PyList_GET_ITEM(r->events, index);
         CarriedLauncher *L = event_launcher(r->launcher);
         unsigned long long h;
         if (L && event_handle(ev, &h)) {
             /* the driver's query from C: complete (0) goes on; not ready, another
              * context or a failure leave it to the Python path, which asks again */
-            if (L->query(L->drv, h) != 0) Py_RETURN_NONE;
+            if (L->query(L->drv, h) != 0) return 0;
             goto idle;
         }
         PyObject *backend = PyObject_GetAttr((PyObject *)r, s_backend);
@@ -3048,7 +3043,7 @@ static PyObject *ringcore_advance_fast(RingCore *r, PyObject *const *args, Py_ss
         if (done != Py_True) {
             Py_XDECREF(done);
             PyErr_Clear();
-            Py_RETURN_NONE;
+            return 0;
         }
         Py_DECREF(done);
     }
@@ -3059,7 +3054,7 @@ idle:;
     if (!zero) {
         Py_XDECREF(acq);
         Py_XDECREF(idx);
-        return NULL;
+        return -1;
     }
     /* StagingRing.acquire, its common case */
     wm_push(demand, used);
@@ -3073,7 +3068,7 @@ idle:;
     Py_SETREF(r->current, Py_NewRef(slotobj));
     /* DeviceCopier._advance: bind, then the table reservation */
     PyObject *b = seg_bind(seg, slotobj);
-    if (!b) return NULL;
+    if (!b) return -1;
     Py_DECREF(b);
     wm_push(tables, seg->peak);
     int64_t wanted = tables->val[tables->head];
@@ -3085,7 +3080,27 @@ idle:;
     if (wanted > cap) wanted = cap;
     seg->reserve = wanted > 16 ? wanted : 16;
     r->fast_advances++;
-    return Py_BuildValue("(OLL)", slotobj, cap_for, cap);
+    *cap_for_p = cap_for;
+    *cap_p = cap;
+    *slot_out = slotobj;
+    return 1;
+}
+
+static PyObject *ringcore_advance_fast(RingCore *r, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "advance_fast(seg, tables, cap_for, cap)");
+        return NULL;
+    }
+    long long cap_for, cap;
+    if (!int_field(args[2], &cap_for) || !int_field(args[3], &cap)) {
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    PyObject *slot;
+    int r2 = ring_advance(r, args[0], args[1], &cap_for, &cap, &slot);
+    if (r2 < 0) return NULL;
+    if (r2 == 0) Py_RETURN_NONE;
+    return Py_BuildValue("(OLL)", slot, cap_for, cap);
 }
 
 static PyMethodDef ringcore_methods[] = {
@@ -3204,10 +3219,16 @@ static PyObject *copiercore_begin_fast(CopierCore *c, PyObject *unused) {
     }
     Py_DECREF(mode);
     if (mode != Py_False || !not_capturing(c)) Py_RETURN_FALSE;
-    PyObject *args[4] = {c->seg, c->tables, c->cap_for, c->cap};
-    if (!args[1] || !args[2] || !args[3]) Py_RETURN_FALSE;
-    PyObject *r = ringcore_advance_fast((RingCore *)c->ring, args, 4);
-    if (!r) {
+    long long cap_for, cap;
+    if (!c->tables || !c->cap_for || !c->cap || !int_field(c->cap_for, &cap_for) ||
+        !int_field(c->cap, &cap)) {
+        PyErr_Clear();
+        Py_RETURN_FALSE;
+    }
+    long long cap_for0 = cap_for, cap0 = cap;
+    PyObject *slot;
+    int adv = ring_advance((RingCore *)c->ring, c->seg, c->tables, &cap_for, &cap, &slot);
+    if (adv < 0) {
         /* the ring took its step but binding failed: as begin() leaves it */
         Py_SETREF(c->in_step, Py_NewRef(Py_False));
         seg->fast = 0;
@@ -3220,20 +3241,22 @@ static PyObject *copiercore_begin_fast(CopierCore *c, PyObject *unused) {
         seg->cursor = 0;
         return NULL;
     }
-    if (r == Py_None) {
-        Py_DECREF(r);
-        Py_RETURN_FALSE;
-    }
+    if (adv == 0) Py_RETURN_FALSE;
+    /* the step is open from here: the fields as DeviceCopier._advance sets them */
     PyObject *owner = PyLong_FromUnsignedLong(me);
-    if (!owner) {
-        Py_DECREF(r);
-        return NULL;
+    if (!owner) return NULL;
+    if (cap_for != cap_for0 || cap != cap0) { /* a slot of another size (rare) */
+        PyObject *f = PyLong_FromLongLong(cap_for), *k = f ? PyLong_FromLongLong(cap) : NULL;
+        if (!k) {
+            Py_XDECREF(f);
+            Py_DECREF(owner);
+            return NULL;
+        }
+        Py_SETREF(c->cap_for, f);
+        Py_SETREF(c->cap, k);
     }
     c->n_steps++; /* stats.steps += 1, folded when stats is read */
-    Py_SETREF(c->slot, Py_NewRef(PyTuple_GET_ITEM(r, 0)));
-    Py_SETREF(c->cap_for, Py_NewRef(PyTuple_GET_ITEM(r, 1)));
-    Py_SETREF(c->cap, Py_NewRef(PyTuple_GET_ITEM(r, 2)));
-    Py_DECREF(r);
+    Py_SETREF(c->slot, Py_NewRef(slot));
     Py_SETREF(c->feed, Py_NewRef(Py_None));
     Py_SETREF(c->feed_pending, Py_NewRef(Py_None));
     Py_SETREF(c->capturing, Py_NewRef(Py_False));
