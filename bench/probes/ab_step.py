@@ -12,7 +12,7 @@ each tree's rounds are then compared on the same host and the same spells. Times
 mix (``bench._common.decode_mix``), NumPy sources into torch CUDA tensors, each step
 after a drained stream, as ``step_cost`` times it. Prints one JSON line: the label,
 the staging path and, per N, the median µs a step and a copy. Host time only.
-Answer: ``bench/results/2026-12-01-h200-run44-ab/`` (session 10's changes against
+Answer: ``bench/results/2026-12-01-h200-ab-session10/`` (session 10's changes against
 ca5732e).
 """
 
