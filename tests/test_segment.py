@@ -462,7 +462,9 @@ def test_more_live_arrays_than_the_front_cache_holds_stay_on_the_fast_path(twin)
     c.close()
 
 
-@pytest.mark.skipif(CSegment is None, reason="the compiled twin is not built")
+@pytest.mark.skipif(
+    CSegment is None or segment.Segment is not CSegment, reason="the compiled twin is not in use"
+)
 def test_a_step_of_512_destinations_is_found_in_the_front_table():
     # 512 sets of 4 ways: a step's 512 destinations seldom overflow a set, so nearly
     # every lookup after the first step is a front hit (a direct-mapped table of the
