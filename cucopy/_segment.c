@@ -647,11 +647,8 @@ static void front_put(Front *f, PyObject *x, PyObject *c) {
 /* the cached entry for x (borrowed), or NULL (an error set, or none) */
 static PyObject *front_get(Front *f, PyObject *dict, PyObject *x) {
     size_t base = front_set(x) * FRONT_WAYS;
-    PyObject **k = f->key + base;
-    if (k[0] == x) return f->val[base];
-    if (k[1] == x) return f->val[base + 1];
-    if (k[2] == x) return f->val[base + 2];
-    if (k[3] == x) return f->val[base + 3];
+    for (size_t i = base; i < base + FRONT_WAYS; i++)
+        if (f->key[i] == x) return f->val[i];
     f->misses++;
     PyObject *key = PyLong_FromVoidPtr(x);
     if (!key) return NULL;

@@ -240,8 +240,8 @@ class PyCopierCore:
         (``mapped``, and ``auto`` up to ``_mapped_max`` bytes), then records the
         slot's event after a mapped launch through the launcher's compiled
         ``cuEventRecord`` (when the launcher offers it and the event is a raw
-        handle); counts it (see :meth:`_take_counts`) and finishes it. It checks everything before
-        it cuts.
+        handle); counts it (see :meth:`_take_counts`) and finishes it. It checks
+        everything before it cuts.
 
         Returns
         -------
@@ -553,7 +553,7 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
         self._owner = me
         self._in_step = True
         seg.fast = not capturing and checker is None
-        self.stats.steps += 1
+        self.stats.add_step()
 
     def _advance(self) -> None:
         ring = self._ring
@@ -828,10 +828,7 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
                 f"failed: {exc!r}; their on_drop callbacks ran"
             ) from exc
         feed._replays += 1
-        st = self.stats
-        st.segments += 1
-        st.modes[how] = st.modes.get(how, 0) + 1
-        st.bytes_staged += total
+        self.stats.add_segment(how, total)
         seg.finish()
 
     def activate(self) -> _PyActivation:
@@ -1476,10 +1473,7 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
             # An inline launch took its bytes at enqueue, so it needs no event (one
             # fewer stream operation a step), and the slot may be rewritten at once.
             slot.dirty = True
-        st = self.stats
-        st.segments += 1
-        st.modes[how] += 1
-        st.bytes_staged += total
+        self.stats.add_segment(how, total)
         del entries  # the segment recycles entries no one else holds (compiled twin)
         seg.finish()
 

@@ -137,6 +137,30 @@ class CopyStats:
                 modes["inline"] += inline
                 modes["mapped"] += mapped
 
+    def add_step(self) -> None:
+        """Count one step begun (what the Python paths of ``begin()`` call)."""
+        self._steps += 1
+
+    def add_segment(self, how: str, nbytes: int) -> None:
+        """Count one flushed segment of ``nbytes`` bytes that reached the kernel ``how``.
+
+        Parameters
+        ----------
+        how : str
+            ``"dma"``, ``"mapped"``, ``"inline"`` or ``"graph"``.
+        nbytes : int
+            The segment's bytes (header, descriptors and data).
+
+        Notes
+        -----
+        Sums need no fold first (the counts pending in C are added whenever read), so
+        this adds to the totals directly; assigning a total folds first.
+        """
+        self._segments += 1
+        modes = self._modes
+        modes[how] = modes.get(how, 0) + 1
+        self._bytes_staged += nbytes
+
     @property
     def steps(self) -> int:
         """Steps begun."""
