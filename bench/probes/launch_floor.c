@@ -124,6 +124,9 @@ typedef CUresult (*PFN_cuGraphAddKernelNode)(CUgraphNode *, CUgraph, const CUgra
 typedef CUresult (*PFN_cuGraphInstantiateWithFlags)(CUgraphExec *, CUgraph,
                                                     unsigned long long);
 typedef CUresult (*PFN_cuGraphLaunch)(CUgraphExec, CUstream);
+typedef CUresult (*PFN_cuGraphExecKernelNodeSetParams)(CUgraphExec, CUgraphNode,
+                                                       const CUDA_KERNEL_NODE_PARAMS *);
+typedef CUresult (*PFN_cuEventElapsedTime)(float *, CUevent, CUevent);
 
 static struct {
     PFN_cuInit Init;
@@ -157,11 +160,14 @@ static struct {
     PFN_cuGraphAddKernelNode GraphAddKernelNode;
     PFN_cuGraphInstantiateWithFlags GraphInstantiateWithFlags;
     PFN_cuGraphLaunch GraphLaunch;
+    PFN_cuGraphExecKernelNodeSetParams GraphExecKernelNodeSetParams;
+    PFN_cuEventElapsedTime EventElapsedTime;
 } api;
 
 /* Names each entry point was found under (for the report). */
 static const char *found_write_value32 = "";
 static const char *found_add_kernel_node = "";
+static const char *found_exec_set_params = "";
 
 static void *lib;
 
@@ -222,6 +228,10 @@ static void load_api(void) {
          "cuGraphAddKernelNode");
     LOAD(GraphInstantiateWithFlags, NULL, "cuGraphInstantiateWithFlags");
     LOAD(GraphLaunch, NULL, "cuGraphLaunch");
+    /* the _v2 entry point takes CUDA_KERNEL_NODE_PARAMS_v2; the v1 one its prefix */
+    LOAD(GraphExecKernelNodeSetParams, &found_exec_set_params,
+         "cuGraphExecKernelNodeSetParams_v2", "cuGraphExecKernelNodeSetParams");
+    LOAD(EventElapsedTime, NULL, "cuEventElapsedTime_v2", "cuEventElapsedTime");
 }
 
 static const char *err_name(CUresult r) {
@@ -294,6 +304,7 @@ static struct {
     CUevent ev_done;
     CUgraphExec graph_exec;
     uint32_t write_counter;
+    CUevent ev_gpu0, ev_gpu1; /* timing events of the gpu regime */
 } g;
 
 /* {u64 a; u32 n; u32 r; unsigned char b[CAP];}: built in a byte buffer of 16 + CAP. */
@@ -306,8 +317,8 @@ typedef struct {
 typedef struct variant variant;
 typedef CUresult (*call_fn)(variant *);
 
-enum { DRAINED, BUSY, BURST_REGIME, ANY, N_REGIMES };
-static const char *const regime_names[N_REGIMES] = {"drained", "busy", "burst", "any"};
+enum { DRAINED, BUSY, BURST_REGIME, ANY, GPU, N_REGIMES };
+static const char *const regime_names[N_REGIMES] = {"drained", "busy", "burst", "any", "gpu"};
 
 typedef struct {
     int ran;          /* measured */
@@ -333,6 +344,12 @@ struct variant {
     void **extra;
     CUfunction f;
     CUlaunchConfig cfg;
+    /* graph variants: an instantiated graph of one kernel node, its node and params */
+    CUgraphExec exec;
+    CUgraphNode node;
+    CUDA_KERNEL_NODE_PARAMS np;
+    unsigned flip;
+    int gpu; /* also time the call's GPU work (the gpu regime) */
     /* copies */
     size_t bytes;
     /* outcome */
@@ -388,6 +405,29 @@ static CUresult call_graph_launch(variant *v) {
     (void)v;
     return api.GraphLaunch(g.graph_exec, g.stream);
 }
+
+/* the node's parameters set anew (the grid alternating between grid and grid + 1, one
+ * carried byte changed) and the graph launched: a launch whose parameters change every
+ * step, through the graph path */
+static CUresult call_graph_set(variant *v) {
+    v->flip ^= 1;
+    v->np.gridDimX = v->grid + v->flip;
+    if (v->big.buf) v->big.buf[16] ^= 1;
+    CUresult r = api.GraphExecKernelNodeSetParams(v->exec, v->node, &v->np);
+    if (r != CUDA_SUCCESS) return r;
+    return api.GraphLaunch(v->exec, g.stream);
+}
+
+/* the parameter update alone (no stream operation) */
+static CUresult call_graph_set_only(variant *v) {
+    v->flip ^= 1;
+    v->np.gridDimX = v->grid + v->flip;
+    if (v->big.buf) v->big.buf[16] ^= 1;
+    return api.GraphExecKernelNodeSetParams(v->exec, v->node, &v->np);
+}
+
+/* the graph launched as instantiated (its parameters fixed) */
+static CUresult call_graph_fixed(variant *v) { return api.GraphLaunch(v->exec, g.stream); }
 
 static CUresult call_ctx_get_current(variant *v) {
     (void)v;
@@ -528,6 +568,28 @@ static void run_burst(variant *v, summary *res) {
     summarize(samples, R_BURST, res);
 }
 
+/* GPU microseconds of the call's work: the stream held by the spin kernel, a timing
+ * event, the call, a timing event; the interval is the work run back to back */
+static void run_gpu(variant *v, summary *res) {
+    for (int i = -WARMUP_BUSY / 4; i < R_BUSY / 4; i++) {
+        CUresult r = launch_spin();
+        if (r != CUDA_SUCCESS) FAIL(res, r, "spin kernel launch");
+        r = api.EventRecord(g.ev_gpu0, g.stream);
+        if (r != CUDA_SUCCESS) FAIL(res, r, "cuEventRecord");
+        r = v->call(v);
+        if (!call_ok(v, r)) FAIL(res, r, "timed call");
+        r = api.EventRecord(g.ev_gpu1, g.stream);
+        if (r != CUDA_SUCCESS) FAIL(res, r, "cuEventRecord");
+        r = api.StreamSynchronize(g.stream);
+        if (r != CUDA_SUCCESS) FAIL(res, r, "cuStreamSynchronize");
+        float ms = 0;
+        r = api.EventElapsedTime(&ms, g.ev_gpu0, g.ev_gpu1);
+        if (r != CUDA_SUCCESS) FAIL(res, r, "cuEventElapsedTime");
+        if (i >= 0) samples[i] = (double)ms * 1e3;
+    }
+    summarize(samples, R_BUSY / 4, res);
+}
+
 static void run_any(variant *v, summary *res) {
     for (int i = -WARMUP_DRAINED; i < R_DRAINED; i++) {
         uint64_t t0 = now_ns();
@@ -543,7 +605,7 @@ static void run_any(variant *v, summary *res) {
 
 static variant variants[] = {
     {.name = "launch_empty", .what = "cuLaunchKernel, empty kernel, no params", .stream_op = 1,
-     .call = call_launch, .kernel = "k_empty", .grid = 1},
+     .call = call_launch, .kernel = "k_empty", .grid = 1, .gpu = 1},
     {.name = "launch_p16_params", .what = "cuLaunchKernel, 16 B struct via kernelParams",
      .stream_op = 1, .call = call_launch, .kernel = "k_p16", .grid = 1, .params = p16_params},
     {.name = "launch_p16_extra", .what = "cuLaunchKernel, 16 B struct via extra buffer",
@@ -580,7 +642,36 @@ static variant variants[] = {
     {.name = "write_value32", .what = "cuStreamWriteValue32 to device memory, flags 0",
      .stream_op = 1, .call = call_write_value32},
     {.name = "graph_launch", .what = "cuGraphLaunch, graph of one empty kernel node",
-     .stream_op = 1, .call = call_graph_launch},
+     .stream_op = 1, .call = call_graph_launch, .gpu = 1},
+    {.name = "graph_set_p16",
+     .what = "cuGraphExecKernelNodeSetParams (16 B via kernelParams, grid 1/2) + cuGraphLaunch",
+     .stream_op = 1, .call = call_graph_set, .kernel = "k_p16", .grid = 1, .params = p16_params,
+     .gpu = 1},
+    {.name = "graph_set_1k",
+     .what = "cuGraphExecKernelNodeSetParams (1024 B via extra, grid 1/2) + cuGraphLaunch",
+     .stream_op = 1, .call = call_graph_set, .kernel = "k_1k", .cap = CAP_1K, .grid = 1},
+    {.name = "graph_set_6k",
+     .what = "cuGraphExecKernelNodeSetParams (6144 B via extra, grid 1/2) + cuGraphLaunch",
+     .stream_op = 1, .call = call_graph_set, .kernel = "k_6k", .cap = CAP_6K, .grid = 1,
+     .gpu = 1},
+    {.name = "graph_set_20k",
+     .what = "cuGraphExecKernelNodeSetParams (20480 B via extra, grid 1/2) + cuGraphLaunch",
+     .stream_op = 1, .call = call_graph_set, .kernel = "k_20k", .cap = CAP_20K, .grid = 1,
+     .gpu = 1},
+    {.name = "graph_set_only_6k",
+     .what = "cuGraphExecKernelNodeSetParams alone (6144 B via extra, grid 1/2)",
+     .stream_op = 0, .call = call_graph_set_only, .kernel = "k_6k", .cap = CAP_6K, .grid = 1},
+    {.name = "graph_fixed_6k", .what = "cuGraphLaunch of a node with 6144 B of params, fixed",
+     .stream_op = 1, .call = call_graph_fixed, .kernel = "k_6k", .cap = CAP_6K, .grid = 1},
+    {.name = "launch_6k_gpu", .what = "cuLaunchKernel, 6144 B via extra (GPU time only)",
+     .stream_op = 0, .call = call_launch, .kernel = "k_6k", .cap = CAP_6K, .grid = 1,
+     .gpu = 2},
+    {.name = "launch_20k_gpu", .what = "cuLaunchKernel, 20480 B via extra (GPU time only)",
+     .stream_op = 0, .call = call_launch, .kernel = "k_20k", .cap = CAP_20K, .grid = 1,
+     .gpu = 2},
+    {.name = "launch_p16_gpu", .what = "cuLaunchKernel, 16 B via kernelParams (GPU time only)",
+     .stream_op = 0, .call = call_launch, .kernel = "k_p16", .grid = 1, .params = p16_params,
+     .gpu = 2},
     {.name = "ctx_get_current", .what = "cuCtxGetCurrent (no stream operation)",
      .stream_op = 0, .call = call_ctx_get_current},
     {.name = "timer_overhead", .what = "nothing: the two clock_gettime calls around a no-op",
@@ -662,6 +753,41 @@ static CUresult setup_variant(variant *v, const char **where) {
         r = api.GraphInstantiateWithFlags(&g.graph_exec, graph, 0);
         if (r != CUDA_SUCCESS) return r;
     }
+    if (v->call == call_graph_set || v->call == call_graph_set_only ||
+        v->call == call_graph_fixed) {
+        CUgraph graph;
+        *where = "graph entry point lookup";
+        if (!api.GraphCreate || !api.GraphAddKernelNode || !api.GraphInstantiateWithFlags ||
+            !api.GraphLaunch || !api.GraphExecKernelNodeSetParams)
+            return ERR_NO_SYMBOL;
+        memset(&v->np, 0, sizeof v->np);
+        v->np.func = v->f;
+        v->np.gridDimX = v->grid;
+        v->np.gridDimY = v->np.gridDimZ = 1;
+        v->np.blockDimX = BLOCK;
+        v->np.blockDimY = v->np.blockDimZ = 1;
+        v->np.kernelParams = v->params;
+        v->np.extra = v->extra;
+        *where = "cuGraphCreate";
+        r = api.GraphCreate(&graph, 0);
+        if (r != CUDA_SUCCESS) return r;
+        *where = "cuGraphAddKernelNode";
+        r = api.GraphAddKernelNode(&v->node, graph, NULL, 0, &v->np);
+        if (r != CUDA_SUCCESS) return r;
+        *where = "cuGraphInstantiateWithFlags";
+        r = api.GraphInstantiateWithFlags(&v->exec, graph, 0);
+        if (r != CUDA_SUCCESS) return r;
+    }
+    if (v->gpu) {
+        *where = "timing events";
+        if (!api.EventElapsedTime) return ERR_NO_SYMBOL;
+        if (!g.ev_gpu0) {
+            r = api.EventCreate(&g.ev_gpu0, 0);
+            if (r != CUDA_SUCCESS) return r;
+            r = api.EventCreate(&g.ev_gpu1, 0);
+            if (r != CUDA_SUCCESS) return r;
+        }
+    }
     /* One call and a synchronize: a variant the driver refuses is unavailable. */
     *where = "first call";
     r = v->call(v);
@@ -730,6 +856,8 @@ static int write_json(const char *path, int driver_version, const char *device_n
     json_string(f, found_write_value32);
     fprintf(f, ", \"graph_add_kernel_node\": ");
     json_string(f, found_add_kernel_node);
+    fprintf(f, ", \"graph_exec_kernel_node_set_params\": ");
+    json_string(f, found_exec_set_params);
     fprintf(f, "},\n");
     fprintf(f,
             "  \"settings\": {\"block\": %d, \"burst\": %d, \"spin_ns\": %llu, "
@@ -893,8 +1021,9 @@ int main(int argc, char **argv) {
 
     printf("launch_floor: driver %d.%d (%d), device 0: %s (sm_%d%d)\n", driver_version / 1000,
            (driver_version % 1000) / 10, driver_version, device_name, cc_major, cc_minor);
-    printf("entry points: %s, %s\n", found_write_value32[0] ? found_write_value32 : "-",
-           found_add_kernel_node[0] ? found_add_kernel_node : "-");
+    printf("entry points: %s, %s, %s\n", found_write_value32[0] ? found_write_value32 : "-",
+           found_add_kernel_node[0] ? found_add_kernel_node : "-",
+           found_exec_set_params[0] ? found_exec_set_params : "-");
 
     /* The spin kernel must hold the stream for about SPIN_NS: check it from the host. */
     double spin_check_us;
@@ -930,7 +1059,8 @@ int main(int argc, char **argv) {
             continue;
         }
         v->available = 1;
-        if (v->stream_op) {
+        if (v->gpu == 2) { /* GPU time only */
+        } else if (v->stream_op) {
             run_drained(v, &v->res[DRAINED]);
             run_busy(v, &v->res[BUSY]);
             run_burst(v, &v->res[BURST_REGIME]);
@@ -938,6 +1068,10 @@ int main(int argc, char **argv) {
         } else {
             run_any(v, &v->res[ANY]);
             print_summary(v, ANY);
+        }
+        if (v->gpu) {
+            run_gpu(v, &v->res[GPU]);
+            print_summary(v, GPU);
         }
         fflush(stdout);
     }

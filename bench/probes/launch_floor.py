@@ -30,6 +30,14 @@ a ~30 us spin kernel) and ``burst`` (8 calls back to back, timed together). Vari
   and ``flush()``);
 - ``write_value32``: ``cuStreamWriteValue32`` to device memory;
 - ``graph_launch``: ``cuGraphLaunch`` of a graph of one empty kernel node;
+- ``graph_set_p16`` / ``graph_set_1k`` / ``graph_set_6k`` / ``graph_set_20k``: the node's
+  parameters replaced (``cuGraphExecKernelNodeSetParams``, the grid alternating between
+  1 and 2, one carried byte changed) and the graph launched: a launch whose parameters
+  change every step, through the graph path; ``graph_set_only_6k``: the update alone;
+  ``graph_fixed_6k``: the 6 KB node launched as instantiated;
+- a ``gpu`` regime for ``launch_empty``, ``graph_launch``, ``graph_set_p16/6k/20k`` and
+  the ``launch_*_gpu`` rows (GPU time only): the call's GPU microseconds between two
+  timing events, enqueued behind the spin kernel;
 - ``ctx_get_current``: ``cuCtxGetCurrent`` (no stream operation: a driver call's floor);
   ``timer_overhead``: the two clock reads around nothing (the measurement's own floor).
 
