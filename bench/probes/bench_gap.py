@@ -24,7 +24,7 @@ alternating round by round so the host's spells weigh on each alike:
 
 It first runs ``step_phases``' bench-mix variant in this process, then prints the
 median host µs a step per variant and N, and a profile of the bench's step. Needs a GPU.
-Answer (``2026-12-02-h200-probes-session11/``): no variant explains it. Timed the
+Answer (``bench/results/2026-12-02-h200-probes-session11/``): no variant explains it. Timed the
 bench's way, with the copier's own synchronize, back to back, as phases, or on a copier
 of the probe's own, the step costs the same in one process (11-14 µs at N = 8), and
 ``step_phases`` itself, run right after in a fresh process, measured 12.0 µs where it
