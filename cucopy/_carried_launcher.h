@@ -19,13 +19,19 @@
  * bytes from host on may be read (the driver reads the carrying kernel's whole
  * capacity). With too few it copies, as carried() does.
  *
+ * graphed() returns the CUresult of cuGraphLaunch (or of making the graph), or a
+ * negative value when it launched nothing (no graphs, another context current, or its
+ * table of graphs full): the caller then launches the segment another way. The graph's
+ * kernel reads the segment when it runs, as a mapped launch does: its slot's event must
+ * follow it, and all graph_cap bytes at seg stay unwritten until that event completes.
+ *
  * abi is LAUNCHER_ABI: a caller built against another layout uses none of it. */
 #ifndef CUCOPY_CARRIED_LAUNCHER_H
 #define CUCOPY_CARRIED_LAUNCHER_H
 
 #include <stddef.h>
 
-#define LAUNCHER_ABI 3
+#define LAUNCHER_ABI 4
 
 typedef struct {
     int (*carried)(void *drv, unsigned long long nblocks, unsigned long long stream,
@@ -36,6 +42,11 @@ typedef struct {
     int (*query)(void *drv, unsigned long long event);
     int (*carried_at)(void *drv, unsigned long long nblocks, unsigned long long stream,
                       unsigned long long seg, char *host, size_t nbytes, size_t readable);
+    /* graphed() launches the one-node graph made for segment address seg (made at its
+     * first use): its kernel reads graph_cap bytes at seg when it runs. graph_cap is 0
+     * (and graphed NULL) when the driver offers no graphs. */
+    int (*graphed)(void *drv, unsigned long long stream, unsigned long long seg);
+    size_t graph_cap;
 } CarriedLauncher;
 
 #define LAUNCHER_NAME "cucopy.carried_launcher"

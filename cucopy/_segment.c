@@ -2865,6 +2865,7 @@ typedef struct {
      * access (a C integer member would build an int at every read) */
     PyObject *size, *bottom, *top, *recorded, *dirty, *temps, *frees;
     PyObject *base; /* the pinned buffer's device address (what a launch reads it at) */
+    long long stamp; /* the ring's acquires when its event was last recorded (-1: never) */
 } SlotCore;
 
 /* traverse and clear of a type whose fields an X-macro lists */
@@ -2905,6 +2906,8 @@ static PyMemberDef slotcore_members[] = {
     {"temps", T_OBJECT_EX, offsetof(SlotCore, temps), 0, "Temporaries the slot's step used."},
     {"frees", T_OBJECT_EX, offsetof(SlotCore, frees), 0, "Buffers freed when it is reused."},
     {"base", T_OBJECT_EX, offsetof(SlotCore, base), 0, "The pinned buffer's device address."},
+    {"stamp", T_LONGLONG, offsetof(SlotCore, stamp), 0,
+     "The ring's acquires when its event was last recorded (-1: never)."},
     {NULL},
 };
 
@@ -2919,6 +2922,12 @@ typedef struct {
     PyObject *index, *want, *acquires, *target_size, *peak; /* ints, as Python holds them */
     PyObject *launcher; /* a launcher capsule whose query() asks an event, or NULL/None */
     long long fast_advances;
+    /* every event recorded at or before acquire `certified` is known complete (one of
+     * them was seen complete, and the ring records on one stream, in order); `newest`
+     * is the index of the slot recorded last, at acquire `newest_stamp`; `probe` > 0:
+     * steps left asking a slot's own event before the newest one (see
+     * StagingRing._idle) */
+    long long certified, newest, newest_stamp, probe;
 } RingCore;
 
 #define RING_FIELDS(X) X(current) X(slots) X(events) X(demand) X(index) X(want) X(acquires) \
@@ -2981,6 +2990,24 @@ static inline long long floordiv(long long a, long long b) {
     return (a % b != 0 && ((a < 0) != (b < 0))) ? q - 1 : q;
 }
 
+/* whether event ev completed: 1 yes, 0 not yet, -1 no answer (another context, a
+ * failure: no exception left set). From C through the launcher when it offers the
+ * query and ev is a raw handle, else the backend's event_query(). */
+static int ring_ask(RingCore *r, CarriedLauncher *L, PyObject *ev) {
+    unsigned long long h;
+    if (L && event_handle(ev, &h)) {
+        int rc = L->query(L->drv, h);
+        return rc == 0 ? 1 : rc == 600 ? 0 : -1; /* 600: CUDA_ERROR_NOT_READY */
+    }
+    PyObject *backend = PyObject_GetAttr((PyObject *)r, s_backend);
+    PyObject *done = backend ? PyObject_CallMethodOneArg(backend, s_event_query, ev) : NULL;
+    Py_XDECREF(backend);
+    int a = done == Py_True ? 1 : done == Py_False ? 0 : -1;
+    Py_XDECREF(done);
+    if (a < 0) PyErr_Clear();
+    return a;
+}
+
 /* advance_fast's work: 1 advanced (*slot_out borrowed, *cap_for and *cap updated),
  * 0 the Python path's (nothing changed, no exception set), -1 an error */
 static int ring_advance(RingCore *r, PyObject *segobj, PyObject *tablesobj, long long *cap_for_p,
@@ -3018,33 +3045,34 @@ static int ring_advance(RingCore *r, PyObject *segobj, PyObject *tablesobj, long
     }
     int64_t used = want + pbottom + psize - ptop;
     if (wm_peek(demand, used) != peak || size < target || size > 2 * target) return 0;
-    if (slot->recorded == Py_True) {
-        /* its step's work recorded an event: idle once that completed (the query has no
-         * side effect; not yet complete, the Python path queries again and waits) */
+    long long certified = r->certified, probe = r->probe;
+    if (slot->recorded == Py_True && !(slot->stamp >= 0 && slot->stamp <= certified)) {
+        /* its step's work recorded an event: idle once that completed (StagingRing._idle:
+         * the newest event first, when that is the habit; nothing is changed unless the
+         * slot turns out idle, and the Python path asks again otherwise) */
         if (!r->events || !PyList_CheckExact(r->events) || PyList_GET_SIZE(r->events) != n)
             return 0;
-        PyObject *ev = PyList_GET_ITEM(r->events, index);
         CarriedLauncher *L = event_launcher(r->launcher);
-        unsigned long long h;
-        if (L && event_handle(ev, &h)) {
-            /* the driver's query from C: complete (0) goes on; not ready, another
-             * context or a failure leave it to the Python path, which asks again */
-            if (L->query(L->drv, h) != 0) return 0;
-            goto idle;
+        int idle = 0;
+        if (probe <= 0 && r->newest >= 0 && r->newest < n && r->newest != index &&
+            r->newest_stamp > slot->stamp) {
+            int a = ring_ask(r, L, PyList_GET_ITEM(r->events, r->newest));
+            if (a < 0) return 0;
+            if (a) {
+                idle = 1;
+                certified = r->newest_stamp;
+            } else { /* not ready: ask each slot's own first for a ring's turn */
+                probe = n;
+            }
+        } else if (probe > 0) {
+            probe--;
         }
-        PyObject *backend = PyObject_GetAttr((PyObject *)r, s_backend);
-        PyObject *done = backend ? PyObject_CallMethodOneArg(backend, s_event_query,
-                                                             PyList_GET_ITEM(r->events, index))
-                                 : NULL;
-        Py_XDECREF(backend);
-        if (done != Py_True) {
-            Py_XDECREF(done);
-            PyErr_Clear();
-            return 0;
+        if (!idle) {
+            /* not complete, or no answer: the Python path asks again (and waits) */
+            if (ring_ask(r, L, PyList_GET_ITEM(r->events, index)) != 1) return 0;
+            if (slot->stamp > certified) certified = slot->stamp;
         }
-        Py_DECREF(done);
     }
-idle:;
     PyObject *acq = PyLong_FromLongLong(acquires + 1);
     PyObject *idx = acq ? PyLong_FromLongLong(index) : NULL;
     PyObject *zero = idx ? PyLong_FromLong(0) : NULL;
@@ -3054,6 +3082,8 @@ idle:;
         return -1;
     }
     /* StagingRing.acquire, its common case */
+    r->certified = certified;
+    r->probe = probe;
     wm_push(demand, used);
     Py_SETREF(r->want, Py_NewRef(zero));
     Py_SETREF(r->acquires, acq);
@@ -3121,6 +3151,10 @@ static PyMemberDef ringcore_members[] = {
      "A launcher capsule whose event query advance_fast uses (None: the backend's)."},
     {"fast_advances", T_LONGLONG, offsetof(RingCore, fast_advances), READONLY,
      "Steps advanced by advance_fast."},
+    {"_certified", T_LONGLONG, offsetof(RingCore, certified), 0, NULL},
+    {"_newest", T_LONGLONG, offsetof(RingCore, newest), 0, NULL},
+    {"_newest_stamp", T_LONGLONG, offsetof(RingCore, newest_stamp), 0, NULL},
+    {"_probe", T_LONGLONG, offsetof(RingCore, probe), 0, NULL},
     {NULL},
 };
 
@@ -3150,6 +3184,7 @@ typedef struct {
     PyObject *ring, *slot, *tables, *cap_for, *cap, *stepping, *stats, *cap_query, *cap_arg;
     PyObject *launcher, *handle, *carry_max, *flush_mode; /* what a carried flush needs */
     PyObject *mapped_max; /* the largest segment a mapped launch reads (auto's choice) */
+    PyObject *graph_cap;  /* mapped segments up to this many bytes launch graphed (0: none) */
     PyObject *check_mod; /* cucopy.check, handed in by the copier (CHECK_MODE is read) */
     long long fast_begins, fast_flushes;
     /* counts of stats' totals the fast paths took, not yet folded into stats (a
@@ -3160,7 +3195,7 @@ typedef struct {
 #define COPIER_FIELDS(X) X(closed) X(in_step) X(owner) X(seg) X(checker) X(feed) \
     X(feed_pending) X(capturing) X(ring) X(slot) X(tables) X(cap_for) X(cap) X(stepping) \
     X(stats) X(cap_query) X(cap_arg) X(launcher) X(handle) X(carry_max) X(flush_mode) \
-    X(mapped_max) X(check_mod)
+    X(mapped_max) X(check_mod) X(graph_cap)
 
 GC_FIELDS(copiercore, CopierCore, COPIER_FIELDS)
 
@@ -3332,7 +3367,17 @@ static PyObject *copiercore_flush_fast(CopierCore *c, PyObject *unused) {
     if (cut_impl(seg, carries ? inline_max : -1, &off, &end, &nblocks, &n) < 0) return NULL;
     int64_t total = end - off, head = HEADER_BYTES + (int64_t)n * DESC_BYTES;
     PyObject *how;
-    if (carries && total <= inline_max) {
+    long long gcap = 0;
+    if (mapped_max >= 0 && L->abi == LAUNCHER_ABI && L->graphed && c->graph_cap &&
+        int_field(c->graph_cap, &gcap) && gcap > 0 && (size_t)gcap <= L->graph_cap &&
+        total <= gcap && off + gcap <= (int64_t)seg->view.len && off + gcap <= seg->top) {
+        /* _land's graphed launch: its kernel reads gcap bytes at the segment when it
+         * runs, so the slot's next segment starts past them */
+        if (L->graphed(L->drv, stream, dev + (unsigned long long)off) != 0) goto cut;
+        if (seg->cursor < off + gcap) seg->cursor = off + gcap;
+        how = s_mapped;
+        Py_SETREF(slot->dirty, Py_NewRef(Py_True));
+    } else if (carries && total <= inline_max) {
         if (launch_carried(seg, L, nblocks, stream, dev + (unsigned long long)off, total) != 0)
             goto cut;
         how = s_inline; /* carried whole: no event needed for it */
@@ -3358,6 +3403,17 @@ static PyObject *copiercore_flush_fast(CopierCore *c, PyObject *unused) {
         E->record(E->drv, event, stream) == 0) { /* StagingRing.record */
         Py_SETREF(slot->recorded, Py_NewRef(Py_True));
         Py_SETREF(slot->dirty, Py_NewRef(Py_False));
+        long long acquires, index;
+        if (int_field(ring->acquires, &acquires) && int_field(ring->index, &index)) {
+            slot->stamp = acquires;
+            ring->newest = index;
+            ring->newest_stamp = acquires;
+        } else { /* cannot happen (checked above); forget what is known, to be safe */
+            PyErr_Clear();
+            slot->stamp = -1;
+            ring->newest = -1;
+            ring->certified = -1;
+        }
     }
     /* the slot dirtied in the step (an eager copy, or a record that failed):
      * flush()'s body records it */
@@ -3395,7 +3451,7 @@ static PyMemberDef copiercore_members[] = {
     MEMBER("_cap_for", cap_for) MEMBER("_cap", cap) MEMBER("_stepping", stepping)
     MEMBER("stats", stats) MEMBER("_cap_query", cap_query) MEMBER("_cap_arg", cap_arg)
     MEMBER("_launcher", launcher) MEMBER("_handle", handle) MEMBER("_carry_max", carry_max)
-    MEMBER("_mapped_max", mapped_max)
+    MEMBER("_mapped_max", mapped_max) MEMBER("_graph_cap", graph_cap)
     MEMBER("flush_mode", flush_mode) MEMBER("_check_mod", check_mod)
     {"_fast_begins", T_LONGLONG, offsetof(CopierCore, fast_begins), READONLY,
      "Steps begun by _begin_fast."},

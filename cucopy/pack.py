@@ -50,6 +50,8 @@ __all__ = [
     "FEED_LANE_BYTES",
     "FEED_STATUS_BYTES",
     "FEED_ENTRY_POINT",
+    "GRAPH_CAPACITY",
+    "GRAPH_ENTRY_POINT",
     "FEED_MAX",
 ]
 
@@ -219,6 +221,16 @@ FEED_ENTRY_POINT = "cucopy_scatter_feed"
 #: kernel's module (zero when the module loads, never reused)
 FEED_MAX = 4096
 assert FEED_HEAD_BYTES == 32, "internal: feed entry head size changed"
+
+# Graphed segments (scatter.cu, cucopy_scatter_w8k): a one-node CUDA graph per segment
+# address, made once and launched as it was made (cuGraphLaunch takes about half the
+# host time of cuLaunchKernel: bench/results/2026-12-02-h200-probes-session11). Its
+# kernel reads the first GRAPH_CAPACITY bytes at that address into shared memory in one
+# round, so a segment of at most that many bytes is read from mapped memory at once.
+# The host must leave all GRAPH_CAPACITY bytes readable and unwritten until the
+# launch's event completes (the copier moves the slot's next segment past them).
+GRAPH_CAPACITY = 8192
+GRAPH_ENTRY_POINT = "cucopy_scatter_w8k"
 assert FEED_LANE_BYTES == FEED_HEAD_BYTES + HEADER_BYTES, "internal: a lane is head + header"
 
 

@@ -172,7 +172,7 @@ class PySlotCore:
     which the compiled :meth:`PyRingCore.advance_fast` reads and writes directly.
     """
 
-    __slots__ = ("size", "bottom", "top", "recorded", "dirty", "temps", "frees", "base")
+    __slots__ = ("size", "bottom", "top", "recorded", "dirty", "temps", "frees", "base", "stamp")
 
 
 class PyRingCore:
@@ -181,7 +181,8 @@ class PyRingCore:
 
     ``cucopy._segment.RingCore`` is its compiled twin: ``current``, ``_slots``,
     ``_events``, ``_demand``, ``_index``, ``_want``, ``acquires``, ``_target_size``,
-    ``_peak`` and ``_launcher`` as C members, and an :meth:`advance_fast` that runs the common step
+    ``_peak``, ``_launcher``, ``_certified``, ``_newest``, ``_newest_stamp`` and
+    ``_probe`` as C members, and an :meth:`advance_fast` that runs the common step
     (``DeviceCopier._advance`` with :meth:`StagingRing.acquire`) in one call.
     """
 
@@ -276,6 +277,7 @@ class Slot(SlotCore):  # type: ignore[misc,valid-type]
         self.base = self.pinned.device_ptr  # where a launch reads the slot
         self.mv = memoryview(self.array)
         self.event = None
+        self.stamp = -1  # the ring's acquires when its event was last recorded
         self.size = size
         self.bottom = 0
         self.top = size
@@ -329,6 +331,14 @@ class StagingRing(RingCore):  # type: ignore[misc,valid-type]
         self._target_size = capacity
         self._want = 0
         self.current: Slot | None = None
+        # What is known of the events, for :meth:`_idle`: every event recorded at or
+        # before acquire ``_certified`` has completed; the slot recorded last is at
+        # ``_newest``, recorded at acquire ``_newest_stamp``; ``_probe`` > 0: steps left
+        # that ask a slot's own event first
+        self._certified = -1
+        self._newest = -1
+        self._newest_stamp = -1
+        self._probe = 0
         #: the compiled launcher whose event query the compiled step uses (a capsule
         #: from the backend's ``carried_launcher()``, set by the copier; None: the
         #: backend's ``event_query``)
@@ -393,11 +403,11 @@ class StagingRing(RingCore):  # type: ignore[misc,valid-type]
         waited = False
         target = self._target_size if peak == self._peak else self._target(peak)
         if slot is not None:
-            if slot.recorded:
-                event = self._events[index]
-                if not self.backend.event_query(event):
-                    self.backend.event_synchronize(event)
-                    waited = True
+            if slot.recorded and not self._idle(index, slot):
+                self.backend.event_synchronize(self._events[index])
+                waited = True
+                if slot.stamp > self._certified:  # it and every event before it completed
+                    self._certified = slot.stamp
             if slot.temps or slot.frees:
                 # idle now (its event completed above): its step's temporaries are spare
                 self._keep_temps(slot)
@@ -424,6 +434,38 @@ class StagingRing(RingCore):  # type: ignore[misc,valid-type]
         self.current = slot
         return slot, waited
 
+    def _idle(self, index: int, slot: Slot) -> bool:
+        """Whether recorded slot ``index``'s event has completed (False: not yet).
+
+        Every event the ring records is recorded on the copier's one stream, in the
+        order of the steps, so once one is seen complete, all recorded before it are.
+        A slot recorded at or before what is known complete is idle without asking.
+        Otherwise the newest event is asked first: in a loop whose host waits for each
+        step, it has completed, and the next ``slots - 1`` steps then ask nothing. When
+        it has not (the GPU runs behind the host), each slot's own event is asked first
+        for a turn of the ring, then the newest again (the compiled step,
+        ``RingCore.advance_fast``, decides the same from the same fields).
+        """
+        stamp = slot.stamp
+        certified = self._certified
+        if 0 <= stamp <= certified:
+            return True
+        query = self.backend.event_query
+        newest = self._newest
+        if self._probe <= 0 and 0 <= newest < len(self._events) and newest != index:
+            if self._newest_stamp > stamp:
+                if query(self._events[newest]):
+                    self._certified = self._newest_stamp
+                    return True
+                self._probe = len(self._events)
+        elif self._probe > 0:
+            self._probe -= 1
+        if not query(self._events[index]):
+            return False
+        if stamp > self._certified:
+            self._certified = stamp
+        return True
+
     def record(self, stream) -> None:
         """Record the current slot's event after the work enqueued so far."""
         slot = self.current
@@ -431,6 +473,8 @@ class StagingRing(RingCore):  # type: ignore[misc,valid-type]
             self.backend.event_record(slot.event, stream)
             slot.recorded = True
             slot.dirty = False
+            slot.stamp = self._newest_stamp = self.acquires
+            self._newest = self._index
 
     def _take_slot(self, size: int) -> Slot:
         """A spare slot of ``size`` bytes, else a new one."""

@@ -79,6 +79,7 @@ def test_each_entry_point_is_its_own_module(fake):
     assert k.scatter == _Kernel("cucopy_scatter").kernel.ptr
     assert k.fill == _Kernel("cucopy_fill").kernel.ptr
     assert k.feed == _Kernel(pack.FEED_ENTRY_POINT).kernel.ptr
+    assert k.whole == _Kernel(pack.GRAPH_ENTRY_POINT).kernel.ptr
     for cap, name in zip(pack.CARRY_CAPACITIES, pack.CARRY_ENTRY_POINTS):
         assert k.carried[cap] == _Kernel(name).kernel.ptr
     # every worker bound the device before building on it
@@ -124,7 +125,8 @@ def test_an_old_driver_gets_the_small_carried_kernels_only(fake):
     k = cb._kernels(0)
     small = tuple(c for c in pack.CARRY_CAPACITIES if c <= cb._SMALL_PARAMS_MAX)
     assert k.caps == small
-    assert len(built) == 3 + len(small)  # scatter, fill, the graph feed and the small carried
+    # scatter, fill, the graph feed, the graphed kernel and the small carried ones
+    assert len(built) == 4 + len(small)
 
 
 def test_a_feed_kernel_that_fails_leaves_the_copier_working(fake):
@@ -132,6 +134,13 @@ def test_a_feed_kernel_that_fails_leaves_the_copier_working(fake):
     fail.add(pack.FEED_ENTRY_POINT)  # only capture_inputs() needs it
     k = cb._kernels(0)
     assert k.feed == 0 and k.caps == pack.CARRY_CAPACITIES
+
+
+def test_a_graphed_kernel_that_fails_leaves_the_copier_working(fake):
+    _, _, fail = fake
+    fail.add(pack.GRAPH_ENTRY_POINT)  # graphed launches are an option: none are made
+    k = cb._kernels(0)
+    assert k.whole == 0 and k.caps == pack.CARRY_CAPACITIES
 
 
 def test_a_large_carried_kernel_that_fails_leaves_the_small_ones(fake):

@@ -99,6 +99,106 @@ class FakeDriver:
 
 CAPS = [(1008, 0x1000), (2032, 0x2000), (4080, 0x4000), (32736, 0x8000)]
 
+_GRAPH_CREATE = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint)
+_GRAPH_ADD = ctypes.CFUNCTYPE(
+    ctypes.c_int,
+    ctypes.POINTER(ctypes.c_void_p),
+    ctypes.c_void_p,
+    ctypes.c_void_p,
+    ctypes.c_size_t,
+    ctypes.c_void_p,
+)
+_GRAPH_INST = ctypes.CFUNCTYPE(
+    ctypes.c_int, ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p, ctypes.c_ulonglong
+)
+_GRAPH_LAUNCH = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
+_GRAPH_DESTROY = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
+WHOLE = 0x3A0  # the whole-segment kernel's fake CUfunction
+
+
+class _NodeParams(ctypes.Structure):
+    """CUDA_KERNEL_NODE_PARAMS_v2."""
+
+    _fields_ = [
+        ("func", ctypes.c_void_p),
+        ("grid", ctypes.c_uint * 3),
+        ("block", ctypes.c_uint * 3),
+        ("shmem", ctypes.c_uint),
+        ("params", ctypes.POINTER(ctypes.c_void_p)),
+        ("extra", ctypes.c_void_p),
+        ("kern", ctypes.c_void_p),
+        ("ctx", ctypes.c_void_p),
+    ]
+
+
+class GraphFake(FakeDriver):
+    """FakeDriver with cuGraphCreate .. cuGraphExecDestroy: records each graph's kernel
+    node (function, grid, block, its one argument) and each launch of an executable."""
+
+    def __init__(self):
+        super().__init__()
+        self.nodes = {}  # graph -> node record
+        self.execs = {}  # exec -> node record
+        self.graph_launches = []  # (node record, stream)
+        self.destroyed = []  # graphs destroyed
+        self.exec_destroyed = []
+        self.graph_result = 0  # CUresult cuGraphLaunch returns
+        self._next = 0x6000
+        self._keep = [
+            _GRAPH_CREATE(self.create),
+            _GRAPH_ADD(self.add),
+            _GRAPH_INST(self.instantiate),
+            _GRAPH_LAUNCH(self.graph_launch),
+            _GRAPH_DESTROY(self.destroy),
+            _GRAPH_DESTROY(self.exec_destroy),
+        ]
+        self.graph_addrs = tuple(ctypes.cast(f, ctypes.c_void_p).value for f in self._keep)
+
+    def _handle(self):
+        self._next += 16
+        return self._next
+
+    def create(self, out, flags):
+        out[0] = g = self._handle()
+        self.nodes[g] = None
+        return 0
+
+    def add(self, out, graph, deps, ndeps, params):
+        p = _NodeParams.from_address(params)
+        arg = ctypes.cast(p.params[0], ctypes.POINTER(ctypes.c_uint64))[0]
+        self.nodes[graph] = {
+            "f": p.func,
+            "grid": tuple(p.grid),
+            "block": tuple(p.block),
+            "seg": arg,
+            "extra": p.extra,
+        }
+        out[0] = self._handle()
+        return 0
+
+    def instantiate(self, out, graph, flags):
+        out[0] = e = self._handle()
+        self.execs[e] = self.nodes[graph]
+        return 0
+
+    def graph_launch(self, exec_, stream):
+        self.graph_launches.append((self.execs[exec_], stream or 0))
+        return self.graph_result
+
+    def destroy(self, graph):
+        self.destroyed.append(graph)
+        return 0
+
+    def exec_destroy(self, exec_):
+        self.exec_destroyed.append(exec_)
+        return 0
+
+
+def _graph_driver(fake, cap=pack.GRAPH_CAPACITY):
+    d = _driver(fake)
+    d.graphs(*fake.graph_addrs, WHOLE, cap)
+    return d
+
 
 def _driver(fake):
     d = _cudacall.Driver(*fake.addrs)
@@ -390,8 +490,8 @@ _CTX_CURRENT = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_void_p))
 
 @needs_ext
 def test_a_bound_driver_calls_nothing_from_another_context():
-    fake = FakeDriver()
-    d = _driver(fake)
+    fake = GraphFake()
+    d = _graph_driver(fake)
     current = {"ctx": 0x1111}
 
     @_CTX_CURRENT
@@ -410,7 +510,9 @@ def test_a_bound_driver_calls_nothing_from_another_context():
     assert d.carried(1, 0, 0x1000, host.ctypes.data, 32) == _cudacall.OTHER_CONTEXT
     assert d.scatter(1, 0, 0x1000) == _cudacall.OTHER_CONTEXT
     assert d.is_capturing(0) == _cudacall.OTHER_CONTEXT_STATUS < 0
+    assert d.graphed(0, 0x1000) == _cudacall.OTHER_CONTEXT
     assert len(fake.launches) == 2  # nothing reached the driver
+    assert fake.graph_launches == [] and d.graph_count == 0
     with pytest.raises(ValueError):
         d.bind(0, 0x1111)
 
@@ -493,6 +595,9 @@ class _Launcher(ctypes.Structure):
         ("abi", ctypes.c_int),
         ("record", ctypes.c_void_p),
         ("query", ctypes.c_void_p),
+        ("carried_at", ctypes.c_void_p),
+        ("graphed", ctypes.c_void_p),
+        ("graph_cap", ctypes.c_size_t),
     ]
 
 
@@ -544,6 +649,67 @@ def test_a_launcher_keeps_its_driver_alive():
     assert len(fake.launches) == 1
     a.discard()
     a.close()
+
+
+@needs_ext
+def test_a_graph_is_made_once_per_segment_address_and_launched_as_made():
+    fake = GraphFake()
+    d = _graph_driver(fake)
+    assert d.graph_cap == pack.GRAPH_CAPACITY and d.graph_count == 0
+    for seg in (0x1000, 0x1000, 0x9000, 0x1000):
+        assert d.graphed(0x77, seg) == 0
+    assert d.graph_count == 2
+    # each graph: one node of the whole-segment kernel, grid 1, its segment the argument
+    nodes = [n for n, _ in fake.graph_launches]
+    assert [n["seg"] for n in nodes] == [0x1000, 0x1000, 0x9000, 0x1000]
+    assert {(n["f"], n["grid"], n["block"]) for n in nodes} == {
+        (WHOLE, (1, 1, 1), (pack.THREADS, 1, 1))
+    }
+    assert all(n["extra"] is None for n in nodes)
+    assert {st for _, st in fake.graph_launches} == {0x77}
+    assert len(fake.destroyed) == 2  # each graph once instantiated
+    assert fake.launches == []  # no kernel launch
+    fake.graph_result = 719
+    assert d.graphed(0x77, 0x9000) == 719  # the driver's error, as is
+    del d
+    import gc
+
+    gc.collect()
+    assert len(fake.exec_destroyed) == 2  # the executables go with the Driver
+
+
+@needs_ext
+def test_graphed_launches_nothing_before_graphs_or_with_its_table_full():
+    fake = GraphFake()
+    d = _driver(fake)
+    assert d.graph_cap == 0 and d.graphed(1, 0x1000) == -1
+    d.graphs(*fake.graph_addrs, WHOLE, pack.GRAPH_CAPACITY)
+    for i in range(_cudacall.MAX_GRAPHS):
+        assert d.graphed(1, 0x10000 * (i + 1)) == 0
+    assert d.graphed(1, 0x1) == -1  # full: the caller launches it another way
+    assert d.graphed(1, 0x10000) == 0  # the graphs made still launch
+    with pytest.raises(RuntimeError, match="already set"):
+        d.graphs(*fake.graph_addrs, WHOLE, pack.GRAPH_CAPACITY)
+    with pytest.raises(ValueError, match="null"):
+        _driver(fake).graphs(0, *fake.graph_addrs[1:], WHOLE, pack.GRAPH_CAPACITY)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        _driver(fake).graphs(*fake.graph_addrs, WHOLE, 100)
+
+
+@needs_ext
+def test_the_launcher_offers_graphed_launches_once_graphs_are_set():
+    fake = GraphFake()
+    d = _driver(fake)
+    capsule = d.launcher()
+    s = _launcher_struct(capsule)
+    assert s.graphed and s.graph_cap == 0
+    d.graphs(*fake.graph_addrs, WHOLE, pack.GRAPH_CAPACITY)
+    assert s.graph_cap == pack.GRAPH_CAPACITY  # the capsule's struct is the Driver's
+    graphed = ctypes.PYFUNCTYPE(
+        ctypes.c_int, ctypes.c_void_p, ctypes.c_ulonglong, ctypes.c_ulonglong
+    )(s.graphed)
+    assert graphed(s.drv, 0x5, 0x4000) == 0
+    assert [(n["seg"], st) for n, st in fake.graph_launches] == [(0x4000, 0x5)]
 
 
 @pytest.mark.gpu
@@ -607,7 +773,11 @@ def test_on_a_gpu_the_backends_compiled_driver_records_and_queries_events():
 
 @needs_both
 def _landing_copier(
-    mode: str, plan_sites=("A", "B"), eager_site: bool = False, events: bool = False
+    mode: str,
+    plan_sites=("A", "B"),
+    eager_site: bool = False,
+    events: bool = False,
+    graphs: bool = False,
 ):
     """A sim copier given a fake launcher that lands what it is handed.
 
@@ -616,13 +786,18 @@ def _landing_copier(
     ring's events become raw handles (ints) that the backend and the fake driver's
     ``cuEventRecord`` / ``cuEventQuery`` translate to the sim's events, so the staging
     core's compiled record and query run against the simulated device. Returns
-    ``(copier, site class, device, fake driver, problems)``.
+    ``(copier, site class, device, fake driver, problems)``. With ``graphs`` the sim
+    offers graphed launches (``SimDevice.graph_capacity``) and the fake driver makes
+    and launches graphs, each launch landing its segment as the sim's mapped scatter
+    does (read when the stream runs it).
     """
     import cucopy as cc
 
     members = [(name, cc.H2D) for name in plan_sites] + ([("E", cc.H2D)] if eager_site else [])
     site = cc.CopySite("Site", members)
     dev = SimDevice(policy="lazy")
+    if graphs:
+        dev.graph_capacity = pack.GRAPH_CAPACITY
     c = cc.DeviceCopier(
         cc.CopyPlan(merge={getattr(site, n) for n in plan_sites}),
         stream=dev.default_stream,
@@ -633,7 +808,7 @@ def _landing_copier(
     be = c._backend
     problems: list = []
 
-    class Landing(FakeDriver):
+    class Landing(GraphFake):
         def launch(self, f, gx, gy, gz, bx, by, bz, shmem, stream, params, extra):
             super().launch(f, gx, gy, gz, bx, by, bz, shmem, stream, params, extra)
             try:
@@ -649,6 +824,17 @@ def _landing_copier(
             except Exception as e:  # a callback's exception would be lost
                 problems.append(repr(e))
             return 0
+
+        def graph_launch(self, exec_, stream):
+            rc = super().graph_launch(exec_, stream)
+            try:
+                seg = self.graph_launches[-1][0]["seg"]
+                head, _ = pack.decode(dev._mem(seg, pack.HEADER_BYTES).tobytes())
+                dev._mem(seg, pack.GRAPH_CAPACITY)  # the kernel reads all of it
+                be.scatter(seg, int(head["nblocks"]), dev.default_stream, True)
+            except Exception as e:  # a callback's exception would be lost
+                problems.append(repr(e))
+            return rc
 
         # (events=True) the sim's events behind the raw handles
         def event_record(self, event, stream):
@@ -676,6 +862,8 @@ def _landing_copier(
         d.events(*fake.event_addrs)
     caps = be.carry_capacities()
     d.kernels(0x5CA7, [(cap, 0x1000 + i) for i, cap in enumerate(caps)], pack.THREADS)
+    if graphs:
+        d.graphs(*fake.graph_addrs, WHOLE, pack.GRAPH_CAPACITY)
     c._launcher, c._handle = d.launcher(), 77
     if events:
         c._ring._launcher = c._launcher
@@ -755,6 +943,92 @@ def test_a_mapped_segment_lands_from_the_staging_core_with_its_event(mode):
     c.close()
 
 
+@pytest.mark.parametrize("mode", ["auto", "mapped"])
+def test_small_segments_launch_graphed_with_their_events(mode):
+    # a segment of at most pack.GRAPH_CAPACITY bytes is launched through the one-node
+    # graph made for its address (compiled: the staging core's flush calls the
+    # launcher's graphed(); Python twin: the backend's scatter_graphed()), counted
+    # mapped, its slot's event recorded after it; the kernel reads GRAPH_CAPACITY bytes
+    # at the segment, so a later segment of the step starts past them
+    from cucopy import copier as copier_mod
+
+    c, Site, dev, fake, problems = _landing_copier(mode, events=True, graphs=True)
+    compiled = copier_mod._CopierCore is not copier_mod.PyCopierCore
+    rng = np.random.default_rng(5)
+    dsts = [dev.zeros((k,), np.int32) for k in (3, 100, 600, 1)]  # 2.8 KB a step
+    steps = 3 * c._ring.slots
+    for _ in range(steps):
+        want = [rng.integers(-9, 9, d_.shape[0], dtype=np.int32) for d_ in dsts]
+        with c.step():
+            for i, (d_, w) in enumerate(zip(dsts, want)):
+                c.copy(Site.A if i % 2 else Site.B, d_, w)
+                if i == 1:
+                    c.flush()  # a barrier: two segments in the step
+                    first = c._slot.bottom
+        assert first >= pack.GRAPH_CAPACITY  # the second segment began past the first's read
+        dev.synchronize()
+        for d_, w in zip(dsts, want):
+            assert np.array_equal(dev.to_host(d_), w)
+    assert problems == []
+    assert c.stats.modes["mapped"] == c.stats.segments == 2 * steps
+    assert fake.launches == []  # no kernel launch: every segment went graphed
+    if compiled:
+        assert c._fast_flushes == 2 * steps
+        segs = [n["seg"] for n, _ in fake.graph_launches]
+        assert len(segs) == 2 * steps
+        assert {st for _, st in fake.graph_launches} == {77}
+        # one graph per segment address: the slots' first and second segments
+        assert len(set(segs)) == 2 * c._ring.slots
+        assert len(fake.records) == 2 * steps  # each segment's event, from C
+    else:
+        assert fake.graph_launches == [] and c._fast_flushes == 0
+    c.close()
+
+
+def test_a_segment_too_large_or_too_near_the_top_is_not_graphed():
+    # over GRAPH_CAPACITY bytes, or where the kernel's read would pass the slot's end
+    # or its eager snapshots: carried (auto) as before
+    c, Site, dev, fake, problems = _landing_copier("auto", events=True, graphs=True)
+    big = dev.zeros((3000,), np.int32)  # 12 KB
+    with c.step():
+        c.copy(Site.A, big, np.arange(3000, dtype=np.int32))
+    assert c.stats.modes["inline"] == 1 and c.stats.modes["mapped"] == 0
+    small = dev.zeros((4,), np.int32)
+    with c.step():
+        c._slot.top = c._seg.cursor + 4096  # as if eager snapshots filled the slot's top
+        c._seg.bind(c._slot)
+        c.copy(Site.A, small, np.arange(4, dtype=np.int32))
+    assert c.stats.modes["inline"] == 2 and c.stats.modes["mapped"] == 0
+    dev.synchronize()
+    assert dev.to_host(small).tolist() == [0, 1, 2, 3]
+    assert dev.to_host(big).tolist() == list(range(3000))
+    assert problems == []
+    c.close()
+
+
+def test_a_graph_that_does_not_launch_leaves_the_segment_to_a_plain_mapped_launch():
+    # graphed() launching nothing (its table full): the staging core hands the cut
+    # back, and the Python path's scatter_graphed launches it another way
+    c, Site, dev, fake, problems = _landing_copier("auto", events=True, graphs=True)
+    for i in range(_cudacall.MAX_GRAPHS):  # fill the Driver's table with other addresses
+        assert _launcher_struct(c._launcher).graph_cap == pack.GRAPH_CAPACITY
+        graphed = ctypes.PYFUNCTYPE(
+            ctypes.c_int, ctypes.c_void_p, ctypes.c_ulonglong, ctypes.c_ulonglong
+        )(_launcher_struct(c._launcher).graphed)
+        assert graphed(_launcher_struct(c._launcher).drv, 77, 0xF0000000 + 0x10000 * i) == 0
+    fake.graph_launches.clear()
+    problems.clear()  # those addresses are not the sim's: their landing failed
+    a = dev.zeros((8,), np.int32)
+    for k in range(3):
+        with c.step():
+            c.copy(Site.A, a, np.full(8, k, np.int32))
+        dev.synchronize()
+        assert dev.to_host(a).tolist() == [k] * 8
+    assert fake.graph_launches == [] and problems == []
+    assert c.stats.modes["mapped"] == 3  # the sim's scatter_graphed, mapped all the same
+    c.close()
+
+
 def test_stats_count_the_compiled_steps_when_read_and_a_reset_drops_them():
     # the compiled begin() and flush() count in C; stats folds the counts in whenever
     # a total is read, and a reset drops what was counted before it
@@ -792,15 +1066,16 @@ def test_stats_count_the_compiled_steps_when_read_and_a_reset_drops_them():
     c.close()
 
 
+@pytest.mark.parametrize("graphs", [False, True], ids=["kernels", "graphs"])
 @pytest.mark.parametrize("mode", ["auto", "mapped", "inline"])
 @pytest.mark.parametrize("seed", [1, 2, 3])
-def test_random_steps_land_through_the_compiled_flushes_with_events(mode, seed):
+def test_random_steps_land_through_the_compiled_flushes_with_events(mode, seed, graphs):
     # random steps (several segments, eager copies that dirty the slot, discards,
     # segments over the largest carry) against the simulated device, the ring's
     # events as raw handles: whatever the compiled flush and ring step take or leave
     # to Python, every destination holds what the last landed copy wrote
     c, Site, dev, fake, problems = _landing_copier(
-        mode, plan_sites=("A", "B"), eager_site=True, events=True
+        mode, plan_sites=("A", "B"), eager_site=True, events=True, graphs=graphs
     )
     c._mapped_max = 1 << 20
     rng = np.random.default_rng(seed)
@@ -832,6 +1107,10 @@ def test_random_steps_land_through_the_compiled_flushes_with_events(mode, seed):
     for d_, w in zip(dsts, want):
         assert np.array_equal(dev.to_host(d_), w)
     assert problems == []
+    if graphs and mode != "inline" and c._fast_flushes:
+        assert fake.graph_launches  # small segments went graphed from the staging core
+    if not graphs or mode == "inline":
+        assert fake.graph_launches == []
     # every slot but the current one left clean: none is read behind the ring's back
     for s_ in c._ring._slots:
         assert s_ is None or not s_.dirty or s_ is c._ring.current
@@ -886,8 +1165,11 @@ def test_a_failing_compiled_event_query_leaves_the_step_to_the_python_path():
         dev.synchronize()
         assert dev.to_host(a).tolist() == [k] * 9000
         assert c._ring.current.recorded and not c._ring.current.dirty
-    assert c._ring.fast_advances == advances  # each step asked and declined
-    assert len(fake.queries) >= 2 * slots and problems == []
+    # a step that must ask declines (the Python path asks the backend, which answers
+    # complete: the newest event, so the slots recorded before it need no asking); the
+    # other steps of that turn of the ring advance compiled without a query
+    assert c._ring.fast_advances - advances == 2 * (slots - 1)
+    assert len(fake.queries) >= 2 and problems == []
     c.close()
 
 

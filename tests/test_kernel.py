@@ -156,8 +156,23 @@ def feed_asserts() -> str:
 def test_feed_layout_matches_pack(nvrtc, arch):
     code = _PRELUDE + kernels.source() + "\n" + feed_asserts()
     kernels.compile_ptx(arch, code=code, name="feed_check.cu")
-    assert pack.FEED_ENTRY_POINT == kernels.ENTRY_POINTS[-1]
+    # CUCOPY_BUILDS(19) guards the feed kernel in scatter.cu
+    assert kernels.ENTRY_POINTS.index(pack.FEED_ENTRY_POINT) == 19
     assert pack.FEED_CAPACITY % pack.ALIGN == 0
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_graphed_kernel_matches_pack(nvrtc, arch):
+    # CUCOPY_BUILDS(20) guards it; its capacity is pack's, in whole rounds of loads
+    code = (
+        _PRELUDE
+        + kernels.source([pack.GRAPH_ENTRY_POINT])
+        + f'\nstatic_assert(CUCOPY_GRAPH_CAP == {pack.GRAPH_CAPACITY}, "graph capacity");\n'
+    )
+    ptx = kernels.compile_ptx(arch, code=code, name="graph_check.cu")
+    assert pack.GRAPH_ENTRY_POINT in ptx
+    assert kernels.ENTRY_POINTS.index(pack.GRAPH_ENTRY_POINT) == 20
+    assert pack.GRAPH_CAPACITY % (16 * pack.THREADS) == 0
 
 
 def test_carry_layout_check_is_not_vacuous(nvrtc):

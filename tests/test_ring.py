@@ -554,7 +554,11 @@ def _ring_state(c) -> tuple:
         ring._peak,
         ring._target_size,
         ring._demand.max(),
-        tuple(None if s is None else (s.size, s.bottom, s.top, s.recorded) for s in slots),
+        tuple(None if s is None else (s.size, s.bottom, s.top, s.recorded, s.stamp) for s in slots),
+        (ring._newest, ring._newest_stamp),
+        # what was seen complete depends on when the device ran the work: the same
+        # under a deterministic policy only
+        None if c._backend.device.policy == "random" else (ring._certified, ring._probe),
         ring.current is (slots[ring.index] if ring.index >= 0 else None),
         c._seg.reserve,
         c._cap_for,
@@ -648,4 +652,88 @@ def test_advance_fast_declines_without_changing_anything(sim_env, monkeypatch, w
         s.clear()
     monkeypatch.undo()
     nxt.size = ring._target_size
+    c.close()
+
+
+# -- what the ring knows of its events (StagingRing._idle) ----------------------------------------
+
+
+def _counting_queries(c) -> list:
+    """Wrap the copier's backend's event_query: returns the list of events it was asked."""
+    asked: list = []
+    be = c._backend
+    query = be.event_query
+
+    def counted(ev):
+        asked.append(ev)
+        return query(ev)
+
+    be.event_query = counted
+    return asked
+
+
+def test_a_loop_that_waits_for_each_step_asks_one_event_a_turn_of_the_ring(sim_env):
+    # every step's event is recorded (mapped) and the host waits for each step: the
+    # newest event, seen complete, vouches for the slots recorded before it, so a turn
+    # of the ring asks one event instead of one a step (compiled and Python alike)
+    c = sim_env.copier(PLAN, slots=4, capacity=4096, flush_mode="mapped")
+    a = sim_env.dev.empty((16,), np.int32)
+    asked = _counting_queries(c)
+    turns = 6
+    for i in range(4 * turns):
+        with c.step():
+            c.copy(Site.POS, a, np.full(16, i, np.int32))
+        c._backend.synchronize(c._stream)
+        assert sim_env.dev.to_host(a).tolist() == [i] * 16
+    assert c.stats.modes["mapped"] == 4 * turns
+    # the first turn's slots were new (nothing to ask); then one query a turn
+    assert len(asked) == turns - 1
+    assert c._ring._certified >= 4 * turns - 4
+    c.close()
+
+
+def test_a_gpu_behind_the_host_asks_each_slots_own_event_and_reuses_none_early(sim_env):
+    # the host never waits: the newest event is not complete when a slot comes round,
+    # so the ring asks each slot's own (and the newest again once a turn), waits where
+    # one is still in flight, and every step lands what it staged
+    c = sim_env.copier(PLAN, slots=4, capacity=4096, flush_mode="mapped")
+    dev = sim_env.dev
+    dsts = [dev.empty((16,), np.int32) for _ in range(24)]
+    probes = []
+    for i, d in enumerate(dsts):
+        with c.step():
+            c.copy(Site.POS, d, np.full(16, i, np.int32))
+        probes.append(c._ring._probe)
+    dev.synchronize()
+    for i, d in enumerate(dsts):
+        assert dev.to_host(d).tolist() == [i] * 16
+    if dev.policy == "lazy":  # nothing runs until the ring waits: the newest never done
+        # the newest event asked once a turn of the ring, each slot's own in between
+        assert probes[4:] == [4, 3, 2, 1, 0] * 4
+    c.close()
+
+
+def test_an_event_newer_than_a_slots_is_not_taken_for_it_before_it_is_recorded(sim_env):
+    # a slot recorded after the newest event seen complete is asked for itself: its
+    # reuse waits for its own work, however many older events completed
+    c = sim_env.copier(PLAN, slots=2, capacity=4096, flush_mode="mapped")
+    dev = sim_env.dev
+    a = dev.empty((16,), np.int32)
+    for i in range(4):
+        with c.step():
+            c.copy(Site.POS, a, np.full(16, i, np.int32))
+        c._backend.synchronize(c._stream)
+    ring = c._ring
+    certified = ring._certified
+    with dev.default_stream.hold() if c._stream is dev.default_stream else c._stream.hold():
+        for i in range(4, 6):  # both slots in flight behind the hold
+            with c.step():
+                c.copy(Site.POS, a, np.full(16, i, np.int32))
+        assert all(s.stamp > certified for s in ring._slots)
+        # nothing recorded behind the hold is known complete
+        assert ring._certified < min(s.stamp for s in ring._slots)
+    with c.step():  # the slot's own work must land first: the ring waits for it
+        c.copy(Site.POS, a, np.full(16, 6, np.int32))
+    c._backend.synchronize(c._stream)
+    assert dev.to_host(a).tolist() == [6] * 16
     c.close()

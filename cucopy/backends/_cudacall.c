@@ -45,6 +45,34 @@ typedef int (*ctx_current_fn)(void **ctx);
 typedef int (*event_record_fn)(void *event, void *stream);
 typedef int (*event_query_fn)(void *event);
 
+/* cuda.h's CUDA_KERNEL_NODE_PARAMS_v2 (the v1 struct, which cuGraphAddKernelNode
+ * takes, is its prefix up to extra) */
+typedef struct {
+    void *func;
+    unsigned gridDimX, gridDimY, gridDimZ;
+    unsigned blockDimX, blockDimY, blockDimZ;
+    unsigned sharedMemBytes;
+    void **kernelParams;
+    void **extra;
+    void *kern;
+    void *ctx;
+} KernelNodeParams;
+typedef int (*graph_create_fn)(void **graph, unsigned flags);
+typedef int (*graph_add_kernel_fn)(void **node, void *graph, void *const *deps, size_t ndeps,
+                                   const KernelNodeParams *params);
+typedef int (*graph_instantiate_fn)(void **exec, void *graph, unsigned long long flags);
+typedef int (*graph_launch_fn)(void *exec, void *stream);
+typedef int (*graph_destroy_fn)(void *graph);
+typedef int (*graph_exec_destroy_fn)(void *exec);
+
+/* graphs a Driver makes at most (one per segment address: a ring's slots, usually
+ * offset 0 of each, so a few per copier); when full, graphed() launches nothing */
+#define MAX_GRAPHS 64
+typedef struct {
+    unsigned long long seg;
+    void *exec;
+} Graph;
+
 /* what the calls answer, without calling the driver, when the thread's current
  * context is not the one bind() named: the backend's checked path then runs */
 #define OTHER_CONTEXT (-2)
@@ -73,6 +101,17 @@ typedef struct {
     event_record_fn event_record;
     event_query_fn event_query;
     CarriedLauncher launcher;
+    /* one-node graphs of the whole-segment kernel: set by graphs(); NULL until then */
+    graph_create_fn graph_create;
+    graph_add_kernel_fn graph_add_kernel;
+    graph_instantiate_fn graph_instantiate;
+    graph_launch_fn graph_launch;
+    graph_destroy_fn graph_destroy;
+    graph_exec_destroy_fn graph_exec_destroy;
+    void *whole;      /* cucopy_scatter_w8k */
+    size_t graph_cap; /* the bytes it reads at its segment (0: no graphs) */
+    int ngraphs, last;
+    Graph graphs[MAX_GRAPHS];
 } Driver;
 
 /* 1 when the calling thread's current context is the bound one (or none is bound) */
@@ -99,7 +138,18 @@ static int Driver_init(Driver *self, PyObject *args, PyObject *kw) {
     self->ctx = NULL;
     self->event_record = NULL;
     self->event_query = NULL;
+    self->graph_launch = NULL;
+    self->whole = NULL;
+    self->graph_cap = 0;
+    self->ngraphs = self->last = 0;
     return 0;
+}
+
+/* the graphs' executables are freed (those in flight when their launches complete) */
+static void Driver_dealloc(Driver *self) {
+    if (self->graph_exec_destroy)
+        for (int i = 0; i < self->ngraphs; i++) self->graph_exec_destroy(self->graphs[i].exec);
+    Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
 /* bind(ctx_get_current, ctx): from now on every call first checks that the calling
@@ -175,6 +225,86 @@ static PyObject *Driver_kernels(Driver *self, PyObject *args) {
     self->scatter = (void *)(uintptr_t)scatter;
     self->threads = threads;
     Py_RETURN_NONE;
+}
+
+/* graphs(create, add_kernel_node, instantiate, launch, destroy, exec_destroy, kernel, cap):
+ * cuGraphCreate's, cuGraphAddKernelNode_v2's, cuGraphInstantiateWithFlags',
+ * cuGraphLaunch's, cuGraphDestroy's and cuGraphExecDestroy's addresses, the
+ * whole-segment kernel (cucopy_scatter_w8k) and the bytes it reads; until then
+ * graphed() launches nothing */
+static PyObject *Driver_graphs(Driver *self, PyObject *args) {
+    unsigned long long f[7], cap = 0;
+    if (!PyArg_ParseTuple(args, "KKKKKKKK", &f[0], &f[1], &f[2], &f[3], &f[4], &f[5], &f[6],
+                          &cap))
+        return NULL;
+    for (int i = 0; i < 7; i++)
+        if (!f[i]) {
+            PyErr_SetString(PyExc_ValueError, "graphs: a null entry point or kernel");
+            return NULL;
+        }
+    if (cap < 16 || cap % 16) {
+        PyErr_SetString(PyExc_ValueError, "graphs: the capacity must be a multiple of 16");
+        return NULL;
+    }
+    if (self->ngraphs) {
+        PyErr_SetString(PyExc_RuntimeError, "graphs: already set, and graphs made");
+        return NULL;
+    }
+    self->graph_create = (graph_create_fn)(uintptr_t)f[0];
+    self->graph_add_kernel = (graph_add_kernel_fn)(uintptr_t)f[1];
+    self->graph_instantiate = (graph_instantiate_fn)(uintptr_t)f[2];
+    self->graph_launch = (graph_launch_fn)(uintptr_t)f[3];
+    self->graph_destroy = (graph_destroy_fn)(uintptr_t)f[4];
+    self->graph_exec_destroy = (graph_exec_destroy_fn)(uintptr_t)f[5];
+    self->whole = (void *)(uintptr_t)f[6];
+    self->graph_cap = (size_t)cap;
+    self->launcher.graph_cap = self->graph_cap;
+    Py_RETURN_NONE;
+}
+
+/* the executable graph for segment address seg, made now when there is none: 0 and
+ * *exec set, a CUresult when making it failed, or -1 when the table is full */
+static int graph_for(Driver *self, unsigned long long seg, void **exec) {
+    if (self->last < self->ngraphs && self->graphs[self->last].seg == seg) {
+        *exec = self->graphs[self->last].exec;
+        return 0;
+    }
+    for (int i = 0; i < self->ngraphs; i++)
+        if (self->graphs[i].seg == seg) {
+            self->last = i;
+            *exec = self->graphs[i].exec;
+            return 0;
+        }
+    if (self->ngraphs == MAX_GRAPHS) return -1;
+    void *graph = NULL, *node = NULL, *made = NULL;
+    int rc = self->graph_create(&graph, 0);
+    if (rc) return rc;
+    unsigned long long arg = seg; /* copied into the node when it is added */
+    void *params[1] = {&arg};
+    KernelNodeParams np = {self->whole, 1, 1, 1, self->threads, 1, 1, 0, params, NULL, NULL,
+                           NULL};
+    rc = self->graph_add_kernel(&node, graph, NULL, 0, &np);
+    if (!rc) rc = self->graph_instantiate(&made, graph, 0);
+    self->graph_destroy(graph); /* the executable keeps what it needs */
+    if (rc) return rc;
+    self->graphs[self->ngraphs] = (Graph){seg, made};
+    self->last = self->ngraphs++;
+    *exec = made;
+    return 0;
+}
+
+/* graphed(stream, seg) -> CUresult of cuGraphLaunch of seg's graph (or of making it),
+ * -1 before graphs() or with the table full, OTHER_CONTEXT when another context is
+ * current */
+static int graphed_impl(void *drv, unsigned long long stream, unsigned long long seg) {
+    Driver *self = (Driver *)drv;
+    if (!self->graph_launch || !self->whole || !self->threads) return -1;
+    if (!same_context(self)) return OTHER_CONTEXT;
+    void *exec = NULL;
+    int rc = graph_for(self, seg, &exec);
+    if (rc) return rc;
+    /* the GIL is held throughout (see the top of this file) */
+    return self->graph_launch(exec, (void *)(uintptr_t)stream);
 }
 
 /* the n unsigned integer arguments of a call into v; -1 (an exception set) when
@@ -299,6 +429,27 @@ static PyObject *Driver_event_record(Driver *self, PyObject *const *args, Py_ssi
     return PyLong_FromLong(record_impl(self, v[0], v[1]));
 }
 
+static PyObject *Driver_graphed(Driver *self, PyObject *const *args, Py_ssize_t nargs) {
+    unsigned long long v[2];
+    if (ull_args(args, nargs, 2, v, "graphed(stream, seg)") < 0) return NULL;
+    return PyLong_FromLong(graphed_impl(self, v[0], v[1]));
+}
+
+static PyObject *Driver_graph_count(Driver *self, void *unused) {
+    return PyLong_FromLong(self->ngraphs);
+}
+
+static PyObject *Driver_graph_cap(Driver *self, void *unused) {
+    return PyLong_FromSize_t(self->whole ? self->graph_cap : 0);
+}
+
+static PyGetSetDef Driver_getset[] = {
+    {"graph_count", (getter)Driver_graph_count, NULL, "Graphs made so far.", NULL},
+    {"graph_cap", (getter)Driver_graph_cap, NULL,
+     "Bytes a graphed launch reads at its segment (0 before graphs()).", NULL},
+    {NULL},
+};
+
 static PyObject *Driver_event_query(Driver *self, PyObject *const *args, Py_ssize_t nargs) {
     unsigned long long v[1];
     if (ull_args(args, nargs, 1, v, "event_query(event)") < 0) return NULL;
@@ -317,6 +468,8 @@ static PyObject *Driver_launcher(Driver *self, PyObject *Py_UNUSED(unused)) {
     self->launcher.record = record_impl;
     self->launcher.query = query_impl;
     self->launcher.carried_at = carried_at_impl;
+    self->launcher.graphed = graphed_impl;
+    self->launcher.graph_cap = self->whole ? self->graph_cap : 0;
     PyObject *cap = PyCapsule_New(&self->launcher, LAUNCHER_NAME, launcher_free);
     if (!cap) return NULL;
     if (PyCapsule_SetContext(cap, Py_NewRef(self)) < 0) {
@@ -357,6 +510,11 @@ static PyMethodDef Driver_methods[] = {
      "scatter(nblocks, stream, seg) -> CUresult; -1 for a grid out of range."},
     {"event_record", (PyCFunction)(void (*)(void))Driver_event_record, METH_FASTCALL,
      "event_record(event, stream) -> CUresult of cuEventRecord; -1 before events()."},
+    {"graphs", (PyCFunction)Driver_graphs, METH_VARARGS,
+     "graphs(create, add_kernel_node, instantiate, launch, destroy, exec_destroy, kernel, "
+     "cap): the graph entry points and the whole-segment kernel."},
+    {"graphed", (PyCFunction)(void (*)(void))Driver_graphed, METH_FASTCALL,
+     "graphed(stream, seg) -> CUresult of launching seg's one-node graph; -1: none launched."},
     {"event_query", (PyCFunction)(void (*)(void))Driver_event_query, METH_FASTCALL,
      "event_query(event) -> CUresult of cuEventQuery (0, 600: not ready); -1 before events()."},
     {NULL, NULL, 0, NULL}};
@@ -368,6 +526,8 @@ static PyTypeObject DriverType = {
     .tp_doc = "Driver(launch, is_capturing): the CUDA backend's per-step driver calls, made "
               "from C (cuLaunchKernel's and cuStreamIsCapturing's addresses).",
     .tp_methods = Driver_methods,
+    .tp_getset = Driver_getset,
+    .tp_dealloc = (destructor)Driver_dealloc,
     .tp_init = (initproc)Driver_init,
     .tp_new = PyType_GenericNew,
 };
@@ -391,6 +551,7 @@ PyMODINIT_FUNC PyInit__cudacall(void) {
     }
     if (PyModule_AddIntConstant(m, "PREFIX", PREFIX) < 0 ||
         PyModule_AddIntConstant(m, "OTHER_CONTEXT", OTHER_CONTEXT) < 0 ||
+        PyModule_AddIntConstant(m, "MAX_GRAPHS", MAX_GRAPHS) < 0 ||
         PyModule_AddIntConstant(m, "OTHER_CONTEXT_STATUS", OTHER_CONTEXT_STATUS) < 0 ||
         PyModule_AddIntConstant(m, "LAUNCHER_ABI", LAUNCHER_ABI) < 0 ||
         PyModule_AddStringConstant(m, "LAUNCHER_NAME", LAUNCHER_NAME) < 0) {

@@ -244,6 +244,24 @@ class Backend:
         """Ascending byte counts a scatter launch can carry in its parameters (none: ``()``)."""
         return ()
 
+    def graph_capacity(self) -> int:
+        """Bytes a graphed scatter (:meth:`scatter_graphed`) reads at its segment; 0: none.
+
+        A graphed scatter is a mapped launch through a one-node graph made once per
+        segment address and launched as made, which costs the host less than a kernel
+        launch. The copier uses it for mapped segments of at most this many bytes, and
+        keeps all of them readable and unwritten until the launch's event completes.
+        """
+        return 0
+
+    def scatter_graphed(self, segment_ptr: int, nblocks: int, stream) -> None:
+        """Enqueue the scatter of the segment at ``segment_ptr`` (mapped pinned memory) as
+        a graphed launch, which reads :meth:`graph_capacity` bytes there when it runs.
+
+        ``nblocks`` is the segment's, for a backend that launches it another way.
+        """
+        raise NotImplementedError
+
     def carried_launcher(self):
         """The carried scatter launch as a compiled function, or None.
 

@@ -322,14 +322,15 @@ class _Scratch(threading.local):
 
 
 class _Kernels:
-    __slots__ = ("scatter", "fill", "carried", "caps", "feed", "_keep")
+    __slots__ = ("scatter", "fill", "carried", "caps", "feed", "whole", "_keep")
 
-    def __init__(self, scatter: int, fill: int, carried: dict, keep, feed: int = 0):
+    def __init__(self, scatter: int, fill: int, carried: dict, keep, feed: int = 0, whole: int = 0):
         self.scatter = scatter
         self.fill = fill
         self.carried = carried  # capacity -> CUfunction of cucopy_scatter_c*
         self.caps = tuple(sorted(carried))
         self.feed = feed  # cucopy_scatter_feed (0: it did not build)
+        self.whole = whole  # cucopy_scatter_w8k, graphed launches' kernel (0: did not build)
         self._keep = keep  # the RawKernels own the CUmodule the handles point into
 
 
@@ -501,7 +502,13 @@ def _kernels(device: int) -> _Kernels:
         for cap, name in zip(pack.CARRY_CAPACITIES, pack.CARRY_ENTRY_POINTS)
         if large or cap <= _SMALL_PARAMS_MAX
     ]
-    names = ["cucopy_scatter", "cucopy_fill", *(name for _, name in caps), pack.FEED_ENTRY_POINT]
+    names = [
+        "cucopy_scatter",
+        "cucopy_fill",
+        *(name for _, name in caps),
+        pack.FEED_ENTRY_POINT,
+        pack.GRAPH_ENTRY_POINT,
+    ]
     assert set(names) <= set(kernel_sources.ENTRY_POINTS), "internal: unknown entry point"
     built: dict = {}
     failed: dict = {}
@@ -525,9 +532,34 @@ def _kernels(device: int) -> _Kernels:
     carried = {cap: built[name].kernel.ptr for cap, name in caps}
     keep = tuple(built[name] for name in names if name in built)
     feed = built[pack.FEED_ENTRY_POINT].kernel.ptr if pack.FEED_ENTRY_POINT in built else 0
+    whole = built[pack.GRAPH_ENTRY_POINT].kernel.ptr if pack.GRAPH_ENTRY_POINT in built else 0
     return _Kernels(
-        built["cucopy_scatter"].kernel.ptr, built["cucopy_fill"].kernel.ptr, carried, keep, feed
+        built["cucopy_scatter"].kernel.ptr,
+        built["cucopy_fill"].kernel.ptr,
+        carried,
+        keep,
+        feed,
+        whole,
     )
+
+
+#: the driver's graph calls a graphed launch needs (Driver.graphs(), in this order)
+_GRAPH_ENTRIES = (
+    "cuGraphCreate",
+    "cuGraphAddKernelNode_v2",
+    "cuGraphInstantiateWithFlags",
+    "cuGraphLaunch",
+    "cuGraphDestroy",
+    "cuGraphExecDestroy",
+)
+
+
+def _graph_entries() -> tuple | None:
+    """Addresses of :data:`_GRAPH_ENTRIES`, or None when the driver lacks one."""
+    found = [_driver_entry(name) for name in _GRAPH_ENTRIES]
+    if any(f is None for f in found):
+        return None
+    return tuple(ctypes.cast(f, ctypes.c_void_p).value for f in found)
 
 
 # Graph feeds handed out per device (each index is the feed kernel module's replay
@@ -675,6 +707,10 @@ class CudaBackend(Backend):
             fast = self._fast
             if fast is not None:
                 fast.kernels(k.scatter, sorted(k.carried.items()), pack.THREADS)
+                graphs = _graph_entries() if k.whole else None
+                if graphs is not None and not os.environ.get("CUCOPY_NO_GRAPHS"):
+                    # graphed launches (one-node graphs of the whole-segment kernel)
+                    fast.graphs(*graphs, k.whole, pack.GRAPH_CAPACITY)
                 get = _driver_entry("cuCtxGetCurrent")
                 ctx = self._on_device(_current_context)
                 if get is not None and ctx:
@@ -684,6 +720,39 @@ class CudaBackend(Backend):
                     self._bound = fast
             self._kern = k
         return k
+
+    def graph_capacity(self) -> int:
+        """Bytes a graphed scatter reads at its segment: ``pack.GRAPH_CAPACITY`` once the
+        kernels are loaded with the compiled driver calls and the driver's graph calls;
+        else 0 (``CUCOPY_NO_GRAPHS=1`` in the environment when they load says 0 too)."""
+        self._kern or self._get_kernels()
+        fast = self._bound
+        return 0 if fast is None else fast.graph_cap
+
+    def scatter_graphed(self, segment_ptr: int, nblocks: int, stream) -> None:
+        """Launch the one-node graph made for ``segment_ptr`` (made at its first use).
+
+        Where no graph launches (another device current, the table of graphs full, no
+        graphs), the segment is launched as an uncarried mapped scatter instead, which
+        reads the same bytes when it runs.
+
+        Raises
+        ------
+        CopyError
+            If the driver refused to make or launch the graph.
+        """
+        fast = self._bound
+        rc = fast.graphed(stream, segment_ptr) if fast is not None else -1
+        if rc == 0:
+            return
+        if rc > 0:
+            e = CopyError(
+                f"{self.describe()}: cuGraphLaunch (a graphed scatter, segment="
+                f"{segment_ptr:#x}) failed: CUresult {rc}"
+            )
+            e.status = rc
+            raise e
+        self.scatter(segment_ptr, nblocks, stream, True)
 
     def carried_launcher(self):
         """The compiled carried launch (a capsule), once the kernels are loaded; else None."""

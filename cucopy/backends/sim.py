@@ -416,6 +416,10 @@ class SimDevice:
         What a scatter launch may carry in its parameters, as the CUDA backend
         offers (``pack.CARRY_CAPACITIES``); set ``()`` to model a driver that
         carries nothing, or a prefix to model one without large parameters.
+    graph_capacity : int
+        Bytes a graphed scatter reads at its segment, as the CUDA backend offers
+        (``pack.GRAPH_CAPACITY``) when the driver's graph calls are there; 0 (the
+        default) models a backend without them. Set it before making a copier.
     """
 
     def __init__(self, policy: str = "lazy", seed: int = 0):
@@ -435,6 +439,7 @@ class SimDevice:
         self.default_stream = self.stream("default")
         self.device_reads = 0  # reads of device memory by the host (check mode's cost)
         self.carry_capacities = pack.CARRY_CAPACITIES
+        self.graph_capacity = 0
         self._feeds = 0  # graph feeds captured (SimBackend.feed_capture)
 
     # -- memory ---------------------------------------------------------------
@@ -750,6 +755,19 @@ class SimBackend(Backend):
             pack.reference_scatter(seg, lambda a, k: dev._mem(a, k).tobytes(), store, order)
 
         stream._enqueue(run)
+
+    def graph_capacity(self) -> int:
+        return self.device.graph_capacity
+
+    def scatter_graphed(self, segment_ptr, nblocks, stream) -> None:
+        """A one-node graph's launch: its kernel reads ``graph_capacity`` bytes at the
+        segment when it runs (all of them must lie in one allocation), as a mapped
+        scatter reads the segment then."""
+        cap = self.device.graph_capacity
+        if not cap:
+            raise CopyError("sim: no graphed launches (SimDevice.graph_capacity is 0)")
+        self.device._mem(segment_ptr, cap)  # the kernel's one read of all cap bytes
+        self.scatter(segment_ptr, nblocks, stream, True)
 
     # -- graph feeds -----------------------------------------------------------------
 

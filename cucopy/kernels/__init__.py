@@ -22,7 +22,13 @@ from .. import pack
 __all__ = ["source", "entry_mask", "compile_ptx", "ENTRY_POINTS", "NVRTC_OPTIONS"]
 
 #: The ``extern "C"`` kernels in ``scatter.cu``.
-ENTRY_POINTS = ("cucopy_scatter", "cucopy_fill", *pack.CARRY_ENTRY_POINTS, pack.FEED_ENTRY_POINT)
+ENTRY_POINTS = (
+    "cucopy_scatter",
+    "cucopy_fill",
+    *pack.CARRY_ENTRY_POINTS,
+    pack.FEED_ENTRY_POINT,
+    pack.GRAPH_ENTRY_POINT,
+)
 
 #: Options shared by every build of ``scatter.cu`` (the architecture is added
 #: per call). ``--display-error-number`` puts the diagnostic number in the log,

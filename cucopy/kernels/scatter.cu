@@ -887,3 +887,46 @@ cucopy_scatter_feed(const unsigned char* __restrict__ box, unsigned int entries,
     }
 }
 #endif
+
+// -- graphed segments --------------------------------------------------------------------
+//
+// cucopy_scatter_w8k: the scatter as the one kernel node of a small CUDA graph the host
+// makes once per segment address (a ring slot's offset 0, usually) and then launches
+// as made (cuGraphLaunch: about half the host time of cuLaunchKernel on an H200's host,
+// bench/results/2026-12-02-h200-probes-session11). Its parameters never change, so the
+// step's bytes cannot travel in them: the block reads the first CUCOPY_GRAPH_CAP bytes
+// at seg (mapped pinned memory) into shared memory in one round, all its loads in
+// flight at once, then runs every block of the segment from there as the carried
+// kernel does from its parameters. A segment longer than that is still correct (the
+// rest is read from seg), only slower. pack.GRAPH_CAPACITY; the host keeps all
+// CUCOPY_GRAPH_CAP bytes at seg readable, and unwritten until the launch completes.
+// Launch: grid 1 (any grid is correct: block b runs blocks b, b + gridDim.x, ...),
+// block CUCOPY_THREADS.
+#define CUCOPY_GRAPH_CAP 8192u
+static_assert(CUCOPY_GRAPH_CAP % (16u * CUCOPY_THREADS) == 0u, "whole rounds of 16-byte loads");
+
+#if CUCOPY_BUILDS(20)
+extern "C" __global__ void __launch_bounds__(CUCOPY_THREADS)
+cucopy_scatter_w8k(const unsigned char* __restrict__ seg)
+{
+    __shared__ __align__(16) cucopy_u8 s_bytes[CUCOPY_GRAPH_CAP];
+    constexpr unsigned kRounds = CUCOPY_GRAPH_CAP / 16u / CUCOPY_THREADS;
+    uint4 w[kRounds];
+#pragma unroll
+    for (unsigned i = 0; i < kRounds; ++i) {
+        w[i] = __ldg(reinterpret_cast<const uint4*>(seg) + threadIdx.x + i * CUCOPY_THREADS);
+    }
+#pragma unroll
+    for (unsigned i = 0; i < kRounds; ++i) {
+        reinterpret_cast<uint4*>(s_bytes)[threadIdx.x + i * CUCOPY_THREADS] = w[i];
+    }
+    __syncthreads();
+    const CucopyHeader& h = *reinterpret_cast<const CucopyHeader*>(s_bytes);
+    const cucopy_u32 nblocks = h.nblocks;
+    const cucopy_u32 have =
+        h.total_bytes < CUCOPY_GRAPH_CAP ? (cucopy_u32)h.total_bytes : CUCOPY_GRAPH_CAP;
+    for (cucopy_u32 b = blockIdx.x; b < nblocks; b += gridDim.x) {
+        cucopy_carried_block<CUCOPY_GRAPH_CAP>(s_bytes, have, reinterpret_cast<cucopy_u64>(seg), b);
+    }
+}
+#endif
