@@ -7,7 +7,10 @@ pitches, 2-D copies whose rows interleave with another descriptor's), runs
 host memory ("mapped"), and ``cucopy_scatter_c*`` through the CUDA backend with
 the header and table carried in the launch's parameters and the data mapped
 ("carried") or the whole segment carried ("inline"; segments too large for the
-largest parameter buffer fall back to "carried", then to "mapped"), and compares the device arena with
+largest parameter buffer fall back to "carried", then to "mapped"), and
+``cucopy_scatter_w8k`` launched through the one-node graphs of
+``CudaBackend.scatter_graphed`` ("graphed": each segment at one of four places of
+the mapped staging, one graph each), and compares the device arena with
 :func:`cucopy.pack.reference_scatter` applied to a host copy of it. Also checks
 ``cucopy_fill``. ``tests/test_kernel_gpu.py`` runs the same harness; this
 script exists to run it under compute-sanitizer.
@@ -39,7 +42,7 @@ except ImportError:  # run from a checkout without installing
     from cucopy import kernels, pack
 
 KINDS = (pack.KIND_H2D, pack.KIND_H2D_2D, pack.KIND_D2D, pack.KIND_FILL)
-MODES = ("dma", "mapped", "carried", "inline")
+MODES = ("dma", "mapped", "carried", "inline", "graphed")
 
 
 @dataclass
@@ -257,7 +260,7 @@ class Harness:
         self.backend = CudaBackend(cupy.cuda.Device().id)
         self.caps = self.backend.carry_capacities()
         #: launches by how much they carried: "none", "head", "all"
-        self.carried = {"none": 0, "head": 0, "all": 0}
+        self.carried = {"none": 0, "head": 0, "all": 0, "graphed": 0}
         #: carried launches of one block a descriptor (the kernel's direct path)
         self.direct = 0
 
@@ -273,6 +276,9 @@ class Harness:
         """
         if mode not in MODES:
             raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
+        if mode == "graphed":
+            self._run_graphed(segments)
+            return
         pending, off = [], 0
         for s in segments:
             if s.data.size > self.stage_bytes:
@@ -284,6 +290,24 @@ class Harness:
             pending.append((s, off))
             off += s.data.size
         self._launch(pending, off, mode)
+
+    def _run_graphed(self, segments: list[Segment]) -> None:
+        """Each segment at one of four places of the mapped staging, launched through the
+        one-node graph made for that place (``CudaBackend.scatter_graphed``: its kernel
+        reads ``pack.GRAPH_CAPACITY`` bytes there, and the rest of a longer segment from
+        mapped memory); a round of four is waited for before its places are rewritten."""
+        stride = self.stage_bytes // 4
+        be = self.backend
+        for i, s in enumerate(segments):
+            if s.data.size + pack.GRAPH_CAPACITY > stride:
+                raise ValueError(f"segment: {s.data.size} bytes exceed a graphed place")
+            if i % 4 == 0:
+                self.cp.cuda.runtime.deviceSynchronize()
+            o = (i % 4) * stride
+            self.stage_host[o : o + s.data.size] = s.data
+            be.scatter_graphed(self.stage_mapped + o, s.nblocks, 0)
+            self.carried["graphed"] += 1
+        self.cp.cuda.runtime.deviceSynchronize()
 
     def _carry(self, s: Segment, mode: str) -> int:
         """Bytes of ``s`` a launch in ``mode`` carries (0: the uncarried kernel)."""
@@ -437,6 +461,12 @@ def main(argv: list[str] | None = None) -> int:
             done += 50
         print(f"{mode}: {done + 22} segments checked", flush=True)
     print(f"launches by bytes carried: {h.carried}, one block a descriptor: {h.direct}", flush=True)
+    if "graphed" in modes:
+        fast = h.backend._bound
+        made = fast.graph_count if fast is not None else 0
+        print(f"graphed: {made} graphs made (none: the launches fell back to mapped)", flush=True)
+        if not made:
+            failures.append("graphed: no graph was made (the compiled driver calls are needed)")
     for i in range(args.fills):
         failures += h.check_fill(rng, grid=None if i % 2 else int(rng.integers(1, 8)))
     print(f"fill: {args.fills} launches checked", flush=True)

@@ -1489,7 +1489,12 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
         head = pack.HEADER_BYTES + n * pack.DESC_BYTES
         total = end - start
         gcap = self._graph_cap
-        if gcap and total <= gcap and start + gcap <= min(slot.size, slot.top):
+        if (
+            gcap
+            and mode in ("auto", "mapped")
+            and total <= gcap
+            and start + gcap <= min(slot.size, slot.top)
+        ):
             # graphed: the kernel reads gcap bytes at the segment when it runs, so the
             # slot's next segment starts past them (its event guards them till then)
             be.scatter_graphed(pin.device_ptr + start, nblocks, self._stream)

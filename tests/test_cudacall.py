@@ -730,6 +730,7 @@ def test_on_a_gpu_inline_segments_launch_from_the_staging_core(env):
         return scatter(*args, **kw)
 
     c._backend.scatter = spy
+    c._graph_cap = 0  # carried, not graphed (the next test's case)
     a, b = env.empty((5,)), env.empty((300,))
     for step in range(3):
         with c.step():
@@ -739,6 +740,46 @@ def test_on_a_gpu_inline_segments_launch_from_the_staging_core(env):
         assert env.to_host(b).tolist() == [i * step for i in range(300)]
     assert calls == []  # every launch came from the staging core
     assert c.stats.modes["inline"] == 3 and c.stats.segments == 3
+    c.close()
+
+
+@pytest.mark.gpu
+@needs_both
+def test_on_a_gpu_small_segments_launch_graphed_and_wait_for_their_slots(env):
+    # auto: a step of 1.2 KB goes through the one-node graph made for its slot's
+    # address, from the staging core; behind a stalled stream the host stages more
+    # steps than the ring has slots, and each reuse waits for the slot's own launch
+    import cucopy as cc
+
+    if os.environ.get("CUCOPY_PURE_PYTHON") or not hasattr(env, "cp"):
+        pytest.skip("the compiled launcher is the CUDA backend's")
+    site = cc.CopySite("G", [("a", cc.H2D), ("b", cc.H2D)])
+    c = env.copier(cc.CopyPlan(merge=set(site)), flush_mode="auto", slots=2)
+    fast = c._backend._bound
+    if fast is None or not fast.graph_cap:
+        pytest.skip("no graphed launches on this driver")
+    assert c._graph_cap == pack.GRAPH_CAPACITY
+    made = fast.graph_count
+    a, b = env.empty((5,)), env.empty((300,))
+    for step in range(4):
+        with c.step():
+            c.copy(site.a, a, np.arange(5, dtype=np.int32) + step)
+            c.copy(site.b, b, np.arange(300, dtype=np.int32) * step)
+        assert env.to_host(a).tolist() == list(range(step, step + 5))
+        assert env.to_host(b).tolist() == [i * step for i in range(300)]
+    assert c.stats.modes["mapped"] == 4 and c.stats.modes["inline"] == 0
+    assert c._fast_flushes == 4 and fast.graph_count - made == 2  # one a slot
+    outs = [env.empty((300,)) for _ in range(6)]
+    with env.hold(c._stream_obj if c._stream_obj is not None else env.default_stream):
+        for k, o in enumerate(outs[:2]):  # both slots in flight behind the hold
+            with c.step():
+                c.copy(site.b, o, np.full(300, k, np.int32))
+    for k, o in enumerate(outs[2:], 2):  # each reuse waits for the slot's launch
+        with c.step():
+            c.copy(site.b, o, np.full(300, k, np.int32))
+    for k, o in enumerate(outs):
+        assert env.to_host(o).tolist() == [k] * 300
+    assert c.stats.modes["mapped"] == 10
     c.close()
 
 
@@ -1003,6 +1044,20 @@ def test_a_segment_too_large_or_too_near_the_top_is_not_graphed():
     assert dev.to_host(small).tolist() == [0, 1, 2, 3]
     assert dev.to_host(big).tolist() == list(range(3000))
     assert problems == []
+    c.close()
+
+
+@pytest.mark.parametrize("mode", ["inline", "dma"])
+def test_a_copier_switched_to_inline_or_dma_launches_nothing_graphed(mode):
+    c, Site, dev, fake, problems = _landing_copier("auto", events=True, graphs=True)
+    c.flush_mode = mode
+    a = dev.zeros((8,), np.int32)
+    for k in range(2):
+        with c.step():
+            c.copy(Site.A, a, np.arange(8, dtype=np.int32) + k)
+        dev.synchronize()
+        assert dev.to_host(a).tolist() == list(range(k, k + 8))
+    assert fake.graph_launches == [] and c.stats.modes[mode] == 2 and problems == []
     c.close()
 
 

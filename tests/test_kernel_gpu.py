@@ -23,7 +23,7 @@ from cucopy import pack
 
 pytestmark = pytest.mark.gpu
 
-MODES = ("dma", "mapped", "carried", "inline")
+MODES = ("dma", "mapped", "carried", "inline", "graphed")
 
 
 @functools.cache
