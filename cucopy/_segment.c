@@ -3368,8 +3368,7 @@ static PyObject *copiercore_flush_fast(CopierCore *c, PyObject *unused) {
     int64_t total = end - off, head = HEADER_BYTES + (int64_t)n * DESC_BYTES;
     PyObject *how;
     long long gcap = 0;
-    int graph_mode = mapped_only || !PyUnicode_CompareWithASCIIString(c->flush_mode, "auto");
-    if (graph_mode && mapped_max >= 0 && L->abi == LAUNCHER_ABI && L->graphed && c->graph_cap &&
+    if (mapped_only && mapped_max >= 0 && L->abi == LAUNCHER_ABI && L->graphed && c->graph_cap &&
         int_field(c->graph_cap, &gcap) && gcap > 0 && (size_t)gcap <= L->graph_cap &&
         total <= gcap && off + gcap <= (int64_t)seg->view.len && off + gcap <= seg->top) {
         /* _land's graphed launch: its kernel reads gcap bytes at the segment when it

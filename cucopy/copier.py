@@ -365,10 +365,11 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
         # waiting for its peers). A copier is made before such phases.
         caps = self._backend.carry_capacities()
         self._carry_max = caps[-1] if caps else 0
-        # mapped segments of at most this many bytes are launched graphed (a one-node
-        # graph per segment address, launched as made: half a kernel launch's host
-        # time); "auto" prefers that to carrying them (0: the backend has no graphs)
-        self._graph_cap = self._backend.graph_capacity() if flush_mode in ("auto", "mapped") else 0
+        # "mapped" segments of at most this many bytes are launched graphed (a one-node
+        # graph per segment address, launched as made: about half a kernel launch's
+        # host time, for ~2 us more GPU time at 6 KB than carrying them, which "auto"
+        # does: bench/results/2026-12-02-h200-graphs-ab); 0: the backend has no graphs
+        self._graph_cap = self._backend.graph_capacity()
         # the capture query begin() makes (compiled on CUDA once the kernels are loaded),
         # and the module whose CHECK_MODE the compiled begin() reads
         self._cap_query, self._cap_arg = self._backend.capture_query(self._stream)
@@ -1454,7 +1455,7 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
                     checker.before_flush(entries)
                 if mode in ("inline", "auto"):
                     launcher = self._launcher
-                    if launcher is not None and not (mode == "auto" and self._graph_cap):
+                    if launcher is not None:
                         # cut and, when the whole segment fits, the carried launch, in one call
                         cut = seg.flush_carried(launcher, self._handle, cmax, pin.device_ptr)
                     else:
@@ -1489,12 +1490,7 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
         head = pack.HEADER_BYTES + n * pack.DESC_BYTES
         total = end - start
         gcap = self._graph_cap
-        if (
-            gcap
-            and mode in ("auto", "mapped")
-            and total <= gcap
-            and start + gcap <= min(slot.size, slot.top)
-        ):
+        if gcap and mode == "mapped" and total <= gcap and start + gcap <= min(slot.size, slot.top):
             # graphed: the kernel reads gcap bytes at the segment when it runs, so the
             # slot's next segment starts past them (its event guards them till then)
             be.scatter_graphed(pin.device_ptr + start, nblocks, self._stream)

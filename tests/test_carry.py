@@ -63,10 +63,30 @@ def test_mapped_segments_carry_the_header_and_read_the_data_at_run_time(env):
     # runs, so it is the scribble that lands. This is why the ring's events
     # guard a mapped slot until its launch has run.
     c = env.copier(PLAN, flush_mode="mapped")
+    c._graph_cap = 0  # carried, not graphed (next test)
     dst = env.empty((64,))
     got = _held_step(env, c, np.arange(64, dtype=np.int32), dst)
     want = np.full(64, SCRIBBLE * 0x01010101, np.uint32).view(np.int32)
     assert got.tolist() == want.tolist()
+    assert c.stats.modes["mapped"] == 1
+    c.close()
+
+
+@pytest.mark.gpu
+def test_a_graphed_segment_scribbled_before_it_runs_lands_nothing_and_returns():
+    # a graphed launch carries nothing: its kernel reads the header from the slot when
+    # it runs, finds no segment there and returns (it must not loop over a scribbled
+    # block count); this is why the slot's event guards it until then
+    from conftest import CudaEnv
+
+    env = CudaEnv()
+    c = env.copier(PLAN, flush_mode="mapped")
+    if not c._graph_cap:
+        pytest.skip("no graphed launches on this driver")
+    dst = env.empty((64,))
+    env.write(env.default_stream, dst, np.full(64, 3, np.int32))
+    got = _held_step(env, c, np.arange(64, dtype=np.int32), dst)
+    assert got.tolist() == [3] * 64
     assert c.stats.modes["mapped"] == 1
     c.close()
 

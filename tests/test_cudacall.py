@@ -746,7 +746,7 @@ def test_on_a_gpu_inline_segments_launch_from_the_staging_core(env):
 @pytest.mark.gpu
 @needs_both
 def test_on_a_gpu_small_segments_launch_graphed_and_wait_for_their_slots(env):
-    # auto: a step of 1.2 KB goes through the one-node graph made for its slot's
+    # mapped: a step of 1.2 KB goes through the one-node graph made for its slot's
     # address, from the staging core; behind a stalled stream the host stages more
     # steps than the ring has slots, and each reuse waits for the slot's own launch
     import cucopy as cc
@@ -754,7 +754,7 @@ def test_on_a_gpu_small_segments_launch_graphed_and_wait_for_their_slots(env):
     if os.environ.get("CUCOPY_PURE_PYTHON") or not hasattr(env, "cp"):
         pytest.skip("the compiled launcher is the CUDA backend's")
     site = cc.CopySite("G", [("a", cc.H2D), ("b", cc.H2D)])
-    c = env.copier(cc.CopyPlan(merge=set(site)), flush_mode="auto", slots=2)
+    c = env.copier(cc.CopyPlan(merge=set(site)), flush_mode="mapped", slots=2)
     fast = c._backend._bound
     if fast is None or not fast.graph_cap:
         pytest.skip("no graphed launches on this driver")
@@ -984,16 +984,15 @@ def test_a_mapped_segment_lands_from_the_staging_core_with_its_event(mode):
     c.close()
 
 
-@pytest.mark.parametrize("mode", ["auto", "mapped"])
-def test_small_segments_launch_graphed_with_their_events(mode):
-    # a segment of at most pack.GRAPH_CAPACITY bytes is launched through the one-node
-    # graph made for its address (compiled: the staging core's flush calls the
-    # launcher's graphed(); Python twin: the backend's scatter_graphed()), counted
-    # mapped, its slot's event recorded after it; the kernel reads GRAPH_CAPACITY bytes
-    # at the segment, so a later segment of the step starts past them
+def test_small_mapped_segments_launch_graphed_with_their_events():
+    # a mapped segment of at most pack.GRAPH_CAPACITY bytes is launched through the
+    # one-node graph made for its address (compiled: the staging core's flush calls
+    # the launcher's graphed(); Python twin: the backend's scatter_graphed()), its
+    # slot's event recorded after it; the kernel reads GRAPH_CAPACITY bytes at the
+    # segment, so a later segment of the step starts past them
     from cucopy import copier as copier_mod
 
-    c, Site, dev, fake, problems = _landing_copier(mode, events=True, graphs=True)
+    c, Site, dev, fake, problems = _landing_copier("mapped", events=True, graphs=True)
     compiled = copier_mod._CopierCore is not copier_mod.PyCopierCore
     rng = np.random.default_rng(5)
     dsts = [dev.zeros((k,), np.int32) for k in (3, 100, 600, 1)]  # 2.8 KB a step
@@ -1028,18 +1027,18 @@ def test_small_segments_launch_graphed_with_their_events(mode):
 
 def test_a_segment_too_large_or_too_near_the_top_is_not_graphed():
     # over GRAPH_CAPACITY bytes, or where the kernel's read would pass the slot's end
-    # or its eager snapshots: carried (auto) as before
-    c, Site, dev, fake, problems = _landing_copier("auto", events=True, graphs=True)
+    # or its eager snapshots: a carried-header mapped launch as before
+    c, Site, dev, fake, problems = _landing_copier("mapped", events=True, graphs=True)
+    c._mapped_max = 1 << 20
     big = dev.zeros((3000,), np.int32)  # 12 KB
     with c.step():
         c.copy(Site.A, big, np.arange(3000, dtype=np.int32))
-    assert c.stats.modes["inline"] == 1 and c.stats.modes["mapped"] == 0
     small = dev.zeros((4,), np.int32)
     with c.step():
         c._slot.top = c._seg.cursor + 4096  # as if eager snapshots filled the slot's top
         c._seg.bind(c._slot)
         c.copy(Site.A, small, np.arange(4, dtype=np.int32))
-    assert c.stats.modes["inline"] == 2 and c.stats.modes["mapped"] == 0
+    assert c.stats.modes["mapped"] == 2 and fake.graph_launches == []
     dev.synchronize()
     assert dev.to_host(small).tolist() == [0, 1, 2, 3]
     assert dev.to_host(big).tolist() == list(range(3000))
@@ -1047,9 +1046,11 @@ def test_a_segment_too_large_or_too_near_the_top_is_not_graphed():
     c.close()
 
 
-@pytest.mark.parametrize("mode", ["inline", "dma"])
-def test_a_copier_switched_to_inline_or_dma_launches_nothing_graphed(mode):
-    c, Site, dev, fake, problems = _landing_copier("auto", events=True, graphs=True)
+@pytest.mark.parametrize("mode", ["auto", "inline", "dma"])
+def test_only_mapped_segments_launch_graphed(mode):
+    # auto carries small segments whole (less GPU time than a graphed launch's read of
+    # mapped memory), inline always, dma uploads them
+    c, Site, dev, fake, problems = _landing_copier("mapped", events=True, graphs=True)
     c.flush_mode = mode
     a = dev.zeros((8,), np.int32)
     for k in range(2):
@@ -1057,14 +1058,15 @@ def test_a_copier_switched_to_inline_or_dma_launches_nothing_graphed(mode):
             c.copy(Site.A, a, np.arange(8, dtype=np.int32) + k)
         dev.synchronize()
         assert dev.to_host(a).tolist() == list(range(k, k + 8))
-    assert fake.graph_launches == [] and c.stats.modes[mode] == 2 and problems == []
+    want = "inline" if mode == "auto" else mode
+    assert fake.graph_launches == [] and c.stats.modes[want] == 2 and problems == []
     c.close()
 
 
 def test_a_graph_that_does_not_launch_leaves_the_segment_to_a_plain_mapped_launch():
     # graphed() launching nothing (its table full): the staging core hands the cut
     # back, and the Python path's scatter_graphed launches it another way
-    c, Site, dev, fake, problems = _landing_copier("auto", events=True, graphs=True)
+    c, Site, dev, fake, problems = _landing_copier("mapped", events=True, graphs=True)
     for i in range(_cudacall.MAX_GRAPHS):  # fill the Driver's table with other addresses
         assert _launcher_struct(c._launcher).graph_cap == pack.GRAPH_CAPACITY
         graphed = ctypes.PYFUNCTYPE(
@@ -1162,9 +1164,9 @@ def test_random_steps_land_through_the_compiled_flushes_with_events(mode, seed, 
     for d_, w in zip(dsts, want):
         assert np.array_equal(dev.to_host(d_), w)
     assert problems == []
-    if graphs and mode != "inline" and c._fast_flushes:
+    if graphs and mode == "mapped" and c._fast_flushes:
         assert fake.graph_launches  # small segments went graphed from the staging core
-    if not graphs or mode == "inline":
+    if not graphs or mode != "mapped":
         assert fake.graph_launches == []
     # every slot but the current one left clean: none is read behind the ring's back
     for s_ in c._ring._slots:

@@ -443,16 +443,16 @@ static __device__ __forceinline__ void cucopy_apply(const CucopyDesc& d, cucopy_
 // more windows than bytes / 16, which is why pack.blocks_for counts windows
 // (in the same unstored run, 4096 rows of 4 bytes took 18.5 us on one block and
 // 2.5 us on 32).
-#if CUCOPY_BUILDS(0)
-extern "C" __global__ void __launch_bounds__(CUCOPY_THREADS)
-cucopy_scatter(const unsigned char* __restrict__ seg)
+// Block b's work of the segment at seg, read from memory as above (`single`: the
+// launch has one block, so descriptor 0 is read beside the header). Every thread of
+// the block calls it with the same b.
+static __device__ __forceinline__ void cucopy_memory_block(const unsigned char* __restrict__ seg,
+                                                           const unsigned b, const bool single)
 {
     __shared__ __align__(16) CucopyDesc s_table[CUCOPY_TABLE_MAX];
     __shared__ cucopy_u32 s_head[4];  // ndesc, nblocks, desc_offset, valid
 
     const unsigned t = threadIdx.x;
-    const unsigned b = blockIdx.x;
-    const bool single = gridDim.x == 1u;
 
     if (t == 0u) {
         const uint4 h0 = __ldg(reinterpret_cast<const uint4*>(seg));
@@ -531,6 +531,13 @@ cucopy_scatter(const unsigned char* __restrict__ seg)
     }
 
     cucopy_apply<false>(*d, next_start, reinterpret_cast<cucopy_u64>(seg), b, false);
+}
+
+#if CUCOPY_BUILDS(0)
+extern "C" __global__ void __launch_bounds__(CUCOPY_THREADS)
+cucopy_scatter(const unsigned char* __restrict__ seg)
+{
+    cucopy_memory_block(seg, blockIdx.x, gridDim.x == 1u);
 }
 #endif
 
@@ -922,11 +929,47 @@ cucopy_scatter_w8k(const unsigned char* __restrict__ seg)
     }
     __syncthreads();
     const CucopyHeader& h = *reinterpret_cast<const CucopyHeader*>(s_bytes);
+    const cucopy_u32 n = h.ndesc;
     const cucopy_u32 nblocks = h.nblocks;
-    const cucopy_u32 have =
-        h.total_bytes < CUCOPY_GRAPH_CAP ? (cucopy_u32)h.total_bytes : CUCOPY_GRAPH_CAP;
+    const cucopy_u32 doff = h.desc_offset;
+    if (h.magic != CUCOPY_MAGIC || h.version != CUCOPY_VERSION || (doff & 15u) != 0u
+        || doff < CUCOPY_HEADER_BYTES || n == 0u) {
+        return;  // not a segment pack.encode wrote (a slot rewritten too early)
+    }
+    const cucopy_u64 base = reinterpret_cast<cucopy_u64>(s_bytes);
+    if (h.total_bytes <= CUCOPY_GRAPH_CAP && doff == CUCOPY_HEADER_BYTES && n == nblocks) {
+        // The copier's case: all of it in shared memory, one block's work a descriptor
+        // (pack.split). Each warp runs whole descriptors, so a step's few descriptors
+        // run side by side instead of one after another.
+        const CucopyDesc* table = reinterpret_cast<const CucopyDesc*>(s_bytes + doff);
+        const unsigned lane = threadIdx.x & 31u;
+        for (cucopy_u32 i = blockIdx.x * (CUCOPY_THREADS / 32u) + threadIdx.x / 32u; i < n;
+             i += gridDim.x * (CUCOPY_THREADS / 32u)) {
+            const CucopyDesc& d = table[i];
+            CucopyJob j;
+            if (!cucopy_job_init(j, d.kind, d.dst, d.kind == CUCOPY_KIND_D2D ? d.src : base + d.src,
+                                 d.value, d.dst_pitch, d.src_pitch, d.width, d.rows, d.elem)) {
+                continue;
+            }
+            cucopy_run<true>(j, lane, j.rows * j.ppr, 32u);
+        }
+        return;
+    }
+    if ((cucopy_u64)doff + (cucopy_u64)n * CUCOPY_DESC_BYTES <= CUCOPY_GRAPH_CAP) {
+        // the table in shared memory: as the carried kernel, block by block
+        const cucopy_u32 have =
+            h.total_bytes < CUCOPY_GRAPH_CAP ? (cucopy_u32)h.total_bytes : CUCOPY_GRAPH_CAP;
+        for (cucopy_u32 b = blockIdx.x; b < nblocks; b += gridDim.x) {
+            cucopy_carried_block<CUCOPY_GRAPH_CAP>(s_bytes, have, reinterpret_cast<cucopy_u64>(seg),
+                                                   b);
+            __syncthreads();  // its shared descriptor is read before the next block's is written
+        }
+        return;
+    }
+    // a table past the bytes read: as the uncarried kernel, from memory
     for (cucopy_u32 b = blockIdx.x; b < nblocks; b += gridDim.x) {
-        cucopy_carried_block<CUCOPY_GRAPH_CAP>(s_bytes, have, reinterpret_cast<cucopy_u64>(seg), b);
+        cucopy_memory_block(seg, b, false);
+        __syncthreads();  // its shared header and table are read before the next block's
     }
 }
 #endif
