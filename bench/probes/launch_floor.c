@@ -426,6 +426,21 @@ static CUresult call_graph_set_only(variant *v) {
     return api.GraphExecKernelNodeSetParams(v->exec, v->node, &v->np);
 }
 
+/* a step's 6 KB rewritten by the host (as a copier stages it), then carried in the
+ * launch's parameters */
+static CUresult call_carried_write(variant *v) {
+    v->flip ^= 1;
+    memset(v->big.buf + 16, (int)(v->flip + 1), 6144 - 16);
+    return api.LaunchKernel(v->f, 1, 1, 1, BLOCK, 1, 1, 0, g.stream, NULL, v->extra);
+}
+
+/* the same 6 KB rewritten in mapped pinned memory, then the graph whose node reads it */
+static CUresult call_graph_whole(variant *v) {
+    v->flip ^= 1;
+    memset(g.hbuf, (int)(v->flip + 1), 6144);
+    return api.GraphLaunch(v->exec, g.stream);
+}
+
 /* the graph launched as instantiated (its parameters fixed) */
 static CUresult call_graph_fixed(variant *v) { return api.GraphLaunch(v->exec, g.stream); }
 
@@ -672,6 +687,13 @@ static variant variants[] = {
     {.name = "launch_p16_gpu", .what = "cuLaunchKernel, 16 B via kernelParams (GPU time only)",
      .stream_op = 0, .call = call_launch, .kernel = "k_p16", .grid = 1, .params = p16_params,
      .gpu = 2},
+    {.name = "carried_6k_write",
+     .what = "6 KB rewritten, then carried in a launch's parameters and scattered (8 pieces)",
+     .stream_op = 1, .call = call_carried_write, .kernel = "k_6k_write", .cap = CAP_6K,
+     .grid = 1, .gpu = 1},
+    {.name = "graph_whole8k",
+     .what = "6 KB rewritten in mapped memory, then a one-node graph reading 8 KB of it",
+     .stream_op = 1, .call = call_graph_whole, .kernel = "k_whole8k", .grid = 1, .gpu = 1},
     {.name = "ctx_get_current", .what = "cuCtxGetCurrent (no stream operation)",
      .stream_op = 0, .call = call_ctx_get_current},
     {.name = "timer_overhead", .what = "nothing: the two clock_gettime calls around a no-op",
@@ -753,8 +775,20 @@ static CUresult setup_variant(variant *v, const char **where) {
         r = api.GraphInstantiateWithFlags(&g.graph_exec, graph, 0);
         if (r != CUDA_SUCCESS) return r;
     }
+    if (v->call == call_graph_whole) {
+        static void *whole_args[2];
+        static unsigned long long whole_seg, whole_dst;
+        whole_seg = (unsigned long long)(uintptr_t)g.hbuf; /* mapped: unified addressing */
+        whole_dst = g.dbuf;
+        whole_args[0] = &whole_seg;
+        whole_args[1] = &whole_dst;
+        v->params = whole_args;
+    }
+    if (v->call == call_carried_write) {
+        memcpy(v->big.buf, &g.dbuf, 8); /* a: where the pieces land */
+    }
     if (v->call == call_graph_set || v->call == call_graph_set_only ||
-        v->call == call_graph_fixed) {
+        v->call == call_graph_fixed || v->call == call_graph_whole) {
         CUgraph graph;
         *where = "graph entry point lookup";
         if (!api.GraphCreate || !api.GraphAddKernelNode || !api.GraphInstantiateWithFlags ||

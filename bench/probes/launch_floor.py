@@ -38,6 +38,11 @@ a ~30 us spin kernel) and ``burst`` (8 calls back to back, timed together). Vari
 - a ``gpu`` regime for ``launch_empty``, ``graph_launch``, ``graph_set_p16/6k/20k`` and
   the ``launch_*_gpu`` rows (GPU time only): the call's GPU microseconds between two
   timing events, enqueued behind the spin kernel;
+- ``carried_6k_write`` / ``graph_whole8k``: a step's 6 KB scattered (8 pieces) from a
+  launch's 6 KB of parameters (``cuLaunchKernel``), or by a one-node graph's kernel
+  that reads 8 KB of mapped pinned memory into shared memory in one round
+  (``cuGraphLaunch``, the host rewriting the 6 KB before each call in both): host and
+  GPU time of the two ways a small step can travel;
 - ``ctx_get_current``: ``cuCtxGetCurrent`` (no stream operation: a driver call's floor);
   ``timer_overhead``: the two clock reads around nothing (the measurement's own floor).
 
@@ -111,6 +116,29 @@ extern "C" __global__ void k_1k(const __grid_constant__ PB<1008> p) { read_all(p
 extern "C" __global__ void k_6k(const __grid_constant__ PB<6128> p) { read_all(p); }
 extern "C" __global__ void k_20k(const __grid_constant__ PB<20464> p) { read_all(p); }
 extern "C" __global__ void k_32k(const __grid_constant__ PB<32736> p) { read_all(p); }
+
+// A step's scatter two ways, for their GPU time: 6 KB written to a device buffer as 8
+// pieces of 768 B (1 KB apart). k_6k_write takes the bytes from its parameters (the
+// carried launch); k_whole8k from mapped pinned memory at seg, the whole first 8 KB
+// read into shared memory in one round (a graph node's kernel, whose parameters stay
+// as instantiated, reads the step's bytes that way).
+extern "C" __global__ void k_6k_write(const __grid_constant__ PB<6128> p) {
+  const uint4 *src = reinterpret_cast<const uint4 *>(p.b);
+  for (unsigned w = threadIdx.x; w < 384u; w += blockDim.x)
+    reinterpret_cast<uint4 *>(p.a + (w / 48u) * 1024u)[w % 48u] = src[w];
+}
+extern "C" __global__ void k_whole8k(const unsigned char *__restrict__ seg,
+                                     unsigned long long dst) {
+  __shared__ __align__(16) unsigned char s[8192];
+#pragma unroll
+  for (unsigned i = 0; i < 2u; ++i)
+    reinterpret_cast<uint4 *>(s)[threadIdx.x + i * 256u] =
+        __ldg(reinterpret_cast<const uint4 *>(seg) + threadIdx.x + i * 256u);
+  __syncthreads();
+  for (unsigned w = threadIdx.x; w < 384u; w += blockDim.x)
+    reinterpret_cast<uint4 *>(dst + (w / 48u) * 1024u)[w % 48u] =
+        reinterpret_cast<const uint4 *>(s)[w];
+}
 """
 
 

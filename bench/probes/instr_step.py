@@ -1,0 +1,224 @@
+"""Instructions a merged step costs the host, counted by callgrind on a machine with no GPU.
+
+Usage:
+    python bench/probes/instr_step.py [--n 8,32,128] [--annotate 25]   # runs valgrind
+    python bench/probes/instr_step.py --inner --n 32 --steps 520      # what valgrind runs
+
+Question: did a change to the compiled staging core make a step cheaper? Wall time on
+the CI machine swings by ±40 % and the lent GPU host by 1.7× (session 10), so this
+counts instructions instead, which repeat to a few in ten thousand. The step is the
+CUDA path's compiled one, run on the simulated device: a copier of the bench's decode
+mix (``bench._common.decode_mix``, NumPy sources, ``flush_mode="auto"`` or ``--mode``) whose
+launcher is ``cucopy.backends._cudacall.Driver`` bound to a small C library of no-op
+driver calls (``cuLaunchKernel``, ``cuStreamIsCapturing``, ``cuEventRecord``,
+``cuEventQuery`` that return 0), built here with gcc. So ``begin()``, the copies, the
+cut and encode, the carried launch's call and the ring's event calls run as they do on
+the GPU, less the driver's own work; nothing reaches the simulated stream.
+
+For each N, valgrind runs the step 20 and 520 times in two processes with
+``PYTHONHASHSEED=0``; the difference over 500 is the instructions of one step (imports,
+set-up and the first steps cancel). ``--annotate K`` also prints the K functions with
+the most instructions in the longer run (``callgrind_annotate``). Needs valgrind and
+gcc; the compiled twin must be built (``pip install -e .``).
+Answer: ``bench/results/2026-12-02-ci-instr_step.txt`` (session 11: the staging core's
+own instructions for a carried and a graphed step; the driver's share is not counted).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+NOOP_C = r"""
+int launch(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
+           unsigned bz, unsigned sh, void *st, void **p, void **e) { return 0; }
+int capturing(void *stream, int *status) { *status = 0; return 0; }
+int record(void *event, void *stream) { return 0; }
+int query(void *event) { return 0; }
+static char handles[64];
+int graph_create(void **g, unsigned flags) { *g = handles; return 0; }
+int graph_add(void **node, void *g, void *const *deps, unsigned long n, const void *p) {
+    *node = handles + 1;
+    return 0;
+}
+int graph_inst(void **e, void *g, unsigned long long flags) { *e = handles + 2; return 0; }
+int graph_launch(void *e, void *stream) { return 0; }
+int graph_destroy(void *g) { return 0; }
+"""
+
+SHORT, LONG = 20, 520
+
+
+def _noop_lib(where: Path) -> Path:
+    src = where / "noop_driver.c"
+    lib = where / "libnoop_driver.so"
+    src.write_text(NOOP_C)
+    subprocess.run(["gcc", "-O2", "-shared", "-fPIC", "-o", str(lib), str(src)], check=True)
+    return lib
+
+
+_GRAPH_FNS = (
+    "graph_create",
+    "graph_add",
+    "graph_inst",
+    "graph_launch",
+    "graph_destroy",
+    "graph_destroy",
+)
+
+
+def _copier(n: int, lib: Path, graphs: bool = True, mode: str = "auto"):
+    """A sim copier of the decode mix wired to the compiled launcher over ``lib``."""
+    import numpy as np
+
+    import cucopy as cc
+    from bench import _common as common
+    from cucopy import pack
+    from cucopy.backends import _cudacall
+
+    so = ctypes.CDLL(str(lib))
+    names = ("launch", "capturing", "record", "query")
+    addr = {k: ctypes.cast(getattr(so, k), ctypes.c_void_p).value for k in names}
+    drv = _cudacall.Driver(addr["launch"], addr["capturing"])
+    caps = [(c, 0x5CA7 + i) for i, c in enumerate(range(2048, 32768 + 1, 2048))]
+    drv.kernels(0x5CA7, caps, pack.THREADS)
+    drv.events(addr["record"], addr["query"])
+    if graphs:
+        g = [ctypes.cast(getattr(so, k), ctypes.c_void_p).value for k in _GRAPH_FNS]
+        drv.graphs(*g, 0x3A0, pack.GRAPH_CAPACITY)
+    from cucopy.backends.sim import SimDevice
+
+    dev = SimDevice(policy="lazy", seed=0)
+    site = cc.CopySite("S", [("x", cc.H2D)])
+    c = cc.DeviceCopier(
+        cc.CopyPlan(merge={site.x}),
+        stream=dev.stream("instr"),
+        device=dev,
+        backend="sim",
+        flush_mode=mode,
+    )
+    launcher = drv.launcher()
+    c._launcher = launcher
+    c._handle = 0x5717
+    c._ring._launcher = launcher
+    c._cap_query = drv.is_capturing
+    c._cap_arg = 0x5717
+    c._mapped_max = 1 << 20
+    c._graph_cap = pack.GRAPH_CAPACITY if graphs else 0
+    c._ring._events = [0xE000 + i for i in range(len(c._ring._events))]
+    mix = common.decode_mix(n, 0)
+    rng = np.random.default_rng(0)
+    pairs = []
+    for k, dt in mix:
+        src = rng.integers(1, 1 << 30, size=k).astype(dt)
+        pairs.append((dev.empty((k,), np.dtype(dt)), src))
+    return c, site.x, pairs, drv
+
+
+def inner(n: int, steps: int, lib: Path, graphs: bool = True, mode: str = "auto") -> None:
+    """Run ``steps`` merged steps of N copies (what valgrind measures)."""
+    c, site, pairs, _ = _copier(n, lib, graphs, mode)
+    copy = c.copy
+    for _ in range(steps):
+        with c.step():
+            for d, v in pairs:
+                copy(site, d, v)
+    modes = dict(c.stats.modes)
+    assert c.stats.steps == steps, (c.stats.steps, steps)
+    print(f"inner: N={n} steps={steps} modes={modes}")
+
+
+def _count(n: int, steps: int, lib: Path, out: Path, graphs: bool = True, mode="auto") -> int:
+    # one BLAS thread: OpenBLAS's idle workers spin a varying number of instructions
+    env = dict(os.environ, PYTHONHASHSEED="0", OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
+    cmd = [
+        "valgrind",
+        "--tool=callgrind",
+        f"--callgrind-out-file={out}",
+        sys.executable,
+        __file__,
+        "--inner",
+        "--n",
+        str(n),
+        "--steps",
+        str(steps),
+        "--lib",
+        str(lib),
+        *([] if graphs else ["--no-graphs"]),
+        "--mode",
+        mode,
+    ]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"valgrind failed ({r.returncode}): {r.stderr[-2000:]}")
+    m = re.search(r"Collected : (\d+)", r.stderr)
+    if not m:
+        raise RuntimeError(f"no instruction count in valgrind's output: {r.stderr[-500:]}")
+    return int(m.group(1))
+
+
+def _by_function(out: Path) -> dict:
+    """Instructions by function (exclusive) in a callgrind output file."""
+    r = subprocess.run(
+        ["callgrind_annotate", "--inclusive=no", "--auto=no", "--threshold=100", str(out)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    found = {}
+    for line in r.stdout.splitlines():
+        m = re.match(r"\s*([\d,]+) \([ \d.]+%\)\s+(\S+)", line)
+        if m:
+            name = m.group(2).split(":", 1)[-1]
+            found[name] = found.get(name, 0) + int(m.group(1).replace(",", ""))
+    return found
+
+
+def main(argv=None) -> int:
+    """Count, or (``--inner``) run the steps valgrind counts."""
+    from bench import _common as common
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--n", type=common.parse_ints, default=[8, 32, 128])
+    ap.add_argument("--steps", type=int, default=LONG)
+    ap.add_argument("--annotate", type=int, default=0)
+    ap.add_argument("--inner", action="store_true")
+    ap.add_argument("--lib", type=Path, default=None)
+    ap.add_argument(
+        "--no-graphs", action="store_true", help="no graphed launches (the carried ones)"
+    )
+    ap.add_argument("--mode", default="auto", help="the copier's flush_mode (mapped: graphed)")
+    args = ap.parse_args(argv)
+    if args.inner:
+        inner(args.n[0], args.steps, args.lib, not args.no_graphs, args.mode)
+        return 0
+    with tempfile.TemporaryDirectory() as tmp:
+        where = Path(tmp)
+        lib = _noop_lib(where)
+        for n in args.n:
+            g = not args.no_graphs
+            short = _count(n, SHORT, lib, where / f"short-{n}.out", g, args.mode)
+            long_ = _count(n, LONG, lib, where / f"long-{n}.out", g, args.mode)
+            per = (long_ - short) / (LONG - SHORT)
+            print(f"N={n:4d}: {per:10.0f} instructions a step, {per / n:8.0f} a copy")
+            if args.annotate:
+                a = _by_function(where / f"short-{n}.out")
+                b = _by_function(where / f"long-{n}.out")
+                diff = {k: (b.get(k, 0) - a.get(k, 0)) / (LONG - SHORT) for k in set(a) | set(b)}
+                top = sorted(diff.items(), key=lambda kv: -kv[1])[: args.annotate]
+                for name, v in top:
+                    print(f"  {v:9.0f}  {name}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
