@@ -39,7 +39,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import cucopy as cc
-from cucopy import check
+from cucopy import check, pack
 from cucopy.backends.sim import SimDevice
 
 SOAK = os.environ.get("CUCOPY_SOAK", "") not in ("", "0")
@@ -231,6 +231,8 @@ class Program:
         self.stream = dev.default_stream if draw.chance(50) else dev.stream()
         self.check_mode = draw.chance(20) if check_mode is None else check_mode
         self.routed = draw.chance(30)  # calls go through cc.copy with the copier active
+        # graphed launches of small mapped segments, as the CUDA backend offers them
+        dev.graph_capacity = pack.GRAPH_CAPACITY if draw.chance(50) else 0
         self.copier = cc.DeviceCopier(
             self.plan,
             stream=self.stream,
