@@ -712,6 +712,17 @@ def test_the_launcher_offers_graphed_launches_once_graphs_are_set():
     assert [(n["seg"], st) for n, st in fake.graph_launches] == [(0x4000, 0x5)]
 
 
+def _two_copy_steps(env, c, site, steps: int) -> None:
+    """``steps`` steps of two merged copies (20 B and 1200 B), each checked landed."""
+    a, b = env.empty((5,)), env.empty((300,))
+    for step in range(steps):
+        with c.step():
+            c.copy(site.a, a, np.arange(5, dtype=np.int32) + step)
+            c.copy(site.b, b, np.arange(300, dtype=np.int32) * step)
+        assert env.to_host(a).tolist() == list(range(step, step + 5))
+        assert env.to_host(b).tolist() == [i * step for i in range(300)]
+
+
 @pytest.mark.gpu
 @needs_both
 def test_on_a_gpu_inline_segments_launch_from_the_staging_core(env):
@@ -730,14 +741,7 @@ def test_on_a_gpu_inline_segments_launch_from_the_staging_core(env):
         return scatter(*args, **kw)
 
     c._backend.scatter = spy
-    c._graph_cap = 0  # carried, not graphed (the next test's case)
-    a, b = env.empty((5,)), env.empty((300,))
-    for step in range(3):
-        with c.step():
-            c.copy(site.a, a, np.arange(5, dtype=np.int32) + step)
-            c.copy(site.b, b, np.arange(300, dtype=np.int32) * step)
-        assert env.to_host(a).tolist() == list(range(step, step + 5))
-        assert env.to_host(b).tolist() == [i * step for i in range(300)]
+    _two_copy_steps(env, c, site, 3)
     assert calls == []  # every launch came from the staging core
     assert c.stats.modes["inline"] == 3 and c.stats.segments == 3
     c.close()
@@ -760,13 +764,7 @@ def test_on_a_gpu_small_segments_launch_graphed_and_wait_for_their_slots(env):
         pytest.skip("no graphed launches on this driver")
     assert c._graph_cap == pack.GRAPH_CAPACITY
     made = fast.graph_count
-    a, b = env.empty((5,)), env.empty((300,))
-    for step in range(4):
-        with c.step():
-            c.copy(site.a, a, np.arange(5, dtype=np.int32) + step)
-            c.copy(site.b, b, np.arange(300, dtype=np.int32) * step)
-        assert env.to_host(a).tolist() == list(range(step, step + 5))
-        assert env.to_host(b).tolist() == [i * step for i in range(300)]
+    _two_copy_steps(env, c, site, 4)
     assert c.stats.modes["mapped"] == 4 and c.stats.modes["inline"] == 0
     assert c._fast_flushes == 4 and fast.graph_count - made == 2  # one a slot
     outs = [env.empty((300,)) for _ in range(6)]
