@@ -47,6 +47,9 @@ typedef struct {
      * (and graphed NULL) when the driver offers no graphs. */
     int (*graphed)(void *drv, unsigned long long stream, unsigned long long seg);
     size_t graph_cap;
+    /* capturing() is cuStreamIsCapturing: the CUresult, *status the capture status;
+     * OTHER_CONTEXT (-2) and nothing called when another context is current */
+    int (*capturing)(void *drv, unsigned long long stream, int *status);
 } CarriedLauncher;
 
 #define LAUNCHER_NAME "cucopy.carried_launcher"

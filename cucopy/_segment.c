@@ -2954,6 +2954,21 @@ static inline int empty_list(PyObject *x) {
     return x != NULL && PyList_CheckExact(x) && PyList_GET_SIZE(x) == 0;
 }
 
+/* an exact non-negative int's value below 2**63 (a device address, a stream handle):
+ * 1 read, 0 not (no exception left set); digit by digit, where PyLong_AsUnsignedLongLong
+ * goes through _PyLong_AsByteArray for any int past one digit */
+static inline int u64_field(PyObject *x, unsigned long long *out) {
+    if (x == NULL || !PyLong_CheckExact(x)) return 0;
+    int overflow;
+    long long v = PyLong_AsLongLongAndOverflow(x, &overflow);
+    if (overflow || v < 0 || (v == -1 && PyErr_Occurred())) {
+        PyErr_Clear();
+        return 0;
+    }
+    *out = (unsigned long long)v;
+    return 1;
+}
+
 /* an exact int field's value: 1 read, 0 not one (then the Python path runs) */
 static inline int int_field(PyObject *x, long long *out) {
     if (x == NULL || !PyLong_CheckExact(x)) return 0;
@@ -3203,9 +3218,23 @@ GC_FIELDS(copiercore, CopierCore, COPIER_FIELDS)
 static PyObject *s_check_mode;
 static PyTypeObject CopierCoreType;
 
-/* 1: not capturing; 0: capturing, or cannot tell (the Python path asks again) */
+static inline int u64_field(PyObject *x, unsigned long long *out);
+
+/* 1: not capturing; 0: capturing, or cannot tell (the Python path asks again). With
+ * the launcher's own capture query and a raw stream handle, straight from C (the same
+ * query as cap_query, the Driver's is_capturing, without a Python call) */
 static int not_capturing(CopierCore *c) {
     if (!c->cap_query || c->cap_query == Py_None || !c->cap_arg) return 0;
+    if (c->launcher && PyCapsule_CheckExact(c->launcher) && c->handle == c->cap_arg) {
+        CarriedLauncher *L = PyCapsule_GetPointer(c->launcher, LAUNCHER_NAME);
+        unsigned long long stream;
+        if (!L) {
+            PyErr_Clear();
+        } else if (L->abi == LAUNCHER_ABI && L->capturing && u64_field(c->handle, &stream)) {
+            int status = -1;
+            return L->capturing(L->drv, stream, &status) == 0 && status == 0;
+        }
+    }
     PyObject *st = PyObject_CallOneArg(c->cap_query, c->cap_arg);
     if (!st) {
         PyErr_Clear();
@@ -3302,7 +3331,7 @@ static PyObject *copiercore_begin_fast(CopierCore *c, PyObject *unused) {
 
 /* stats.modes[how] += 1, stats.segments += 1, stats.bytes_staged += total: counted
  * here, folded into stats when it is read (CopyStats.pending_totals) */
-static PyObject *s_inline, *s_mapped;
+static PyObject *s_inline, *s_mapped, *s_auto;
 
 static void count_segment(CopierCore *c, PyObject *how, int64_t total) {
     c->n_segments++;
@@ -3325,10 +3354,13 @@ static PyObject *copiercore_flush_fast(CopierCore *c, PyObject *unused) {
         !c->slot || !PyObject_TypeCheck(c->slot, &SlotCoreType) || !c->ring ||
         !PyObject_TypeCheck(c->ring, &RingCoreType) || !c->stats)
         Py_RETURN_FALSE;
-    /* carried whole when it fits (inline, auto); else read mapped (mapped, auto) */
-    int carries = !PyUnicode_CompareWithASCIIString(c->flush_mode, "inline") ||
-                  !PyUnicode_CompareWithASCIIString(c->flush_mode, "auto");
-    int mapped_only = !carries && !PyUnicode_CompareWithASCIIString(c->flush_mode, "mapped");
+    /* carried whole when it fits (inline, auto); else read mapped (mapped, auto); the
+     * mode is one of the interned literals unless set from another string */
+    PyObject *fm = c->flush_mode;
+    int carries = fm == s_auto || fm == s_inline ||
+                  (fm != s_mapped && (!PyUnicode_CompareWithASCIIString(fm, "inline") ||
+                                      !PyUnicode_CompareWithASCIIString(fm, "auto")));
+    int mapped_only = !carries && (fm == s_mapped || !PyUnicode_CompareWithASCIIString(fm, "mapped"));
     if (!carries && !mapped_only) Py_RETURN_FALSE;
     if (!step_is_callers(c, PyThread_get_thread_ident())) Py_RETURN_FALSE;
     Segment *seg = (Segment *)c->seg;
@@ -3337,17 +3369,17 @@ static PyObject *copiercore_flush_fast(CopierCore *c, PyObject *unused) {
     if (!PyList_GET_SIZE(seg->entries) || !seg->bound || seg->slot != c->slot || !slot->base)
         Py_RETURN_FALSE;
     CarriedLauncher *L = PyCapsule_GetPointer(c->launcher, LAUNCHER_NAME);
-    unsigned long long stream = L ? PyLong_AsUnsignedLongLong(c->handle) : 0;
-    long long inline_max = PyErr_Occurred() ? 0 : PyLong_AsLongLong(c->carry_max);
-    unsigned long long dev = PyErr_Occurred() ? 0 : PyLong_AsUnsignedLongLong(slot->base);
-    if (PyErr_Occurred()) {
+    unsigned long long stream, dev;
+    long long inline_max;
+    if (!L || !u64_field(c->handle, &stream) || !int_field(c->carry_max, &inline_max) ||
+        !u64_field(slot->base, &dev)) {
         PyErr_Clear();
         Py_RETURN_FALSE;
     }
     /* a mapped launch needs the slot's event recorded after it, from C */
     long long mapped_max = -1;
     unsigned long long event = 0;
-    CarriedLauncher *E = event_launcher(c->launcher);
+    CarriedLauncher *E = L->abi == LAUNCHER_ABI && L->record && L->query ? L : NULL;
     if (E && c->mapped_max && int_field(c->mapped_max, &mapped_max) &&
         ring->current == c->slot && ring->events && PyList_CheckExact(ring->events)) {
         long long index;
@@ -3648,7 +3680,8 @@ PyMODINIT_FUNC PyInit__segment(void) {
     if (!s_enter || !s_exit || !s_flush) return NULL;
     s_inline = PyUnicode_InternFromString("inline");
     s_mapped = PyUnicode_InternFromString("mapped");
-    if (!s_inline || !s_mapped) return NULL;
+    s_auto = PyUnicode_InternFromString("auto");
+    if (!s_inline || !s_mapped || !s_auto) return NULL;
     s_check_mode = PyUnicode_InternFromString("CHECK_MODE");
     if (!s_check_mode) return NULL;
     s_backend = PyUnicode_InternFromString("backend");

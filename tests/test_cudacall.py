@@ -598,6 +598,7 @@ class _Launcher(ctypes.Structure):
         ("carried_at", ctypes.c_void_p),
         ("graphed", ctypes.c_void_p),
         ("graph_cap", ctypes.c_size_t),
+        ("capturing", ctypes.c_void_p),
     ]
 
 
@@ -633,6 +634,51 @@ def test_the_launcher_carries_its_abi_and_the_event_calls():
     fake.pending.add(0xE1)
     assert record(s.drv, 0xE1, 0x5) == 0 and query(s.drv, 0xE1) == NOT_READY
     assert fake.records == [(0xE1, 0x5)] and fake.queries == [0xE1]
+
+
+@needs_ext
+def test_the_launcher_offers_the_capture_query():
+    fake = FakeDriver()
+    d = _driver(fake)
+    s = _launcher_struct(d.launcher())
+    capturing = ctypes.PYFUNCTYPE(
+        ctypes.c_int, ctypes.c_void_p, ctypes.c_ulonglong, ctypes.POINTER(ctypes.c_int)
+    )(s.capturing)
+    status = ctypes.c_int(-1)
+    fake.status = 1
+    assert capturing(s.drv, 0x5, ctypes.byref(status)) == 0 and status.value == 1
+    fake.result = 700
+    assert capturing(s.drv, 0x5, ctypes.byref(status)) == 700
+
+
+@needs_both
+@pytest.mark.skipif(
+    not _compiled_copier_core_now(), reason="the compiled staging core is not in use"
+)
+def test_the_compiled_begin_and_flush_ask_the_capture_status_through_the_launcher():
+    # with the copier's capture query the Driver's and its argument the launch's stream,
+    # the compiled begin() and flush() ask cuStreamIsCapturing from C: a capturing
+    # stream makes them decline (and change nothing), an idle one lets them run
+    c, Site, dev, fake, problems = _landing_copier("inline")
+    c._cap_query, c._cap_arg = c._test_driver.is_capturing, c._handle
+    a = dev.zeros((8,), np.int32)
+    for _ in range(c._ring.slots):  # a slot's first step is the Python path's
+        with c.step():
+            c.copy(Site.A, a, np.zeros(8, np.int32))
+    begins, flushes = c._fast_begins, c._fast_flushes
+    fake.status = 1  # capturing
+    assert c._begin_fast() is False and c._fast_begins == begins
+    fake.status = 0
+    assert c._begin_fast() is True
+    c.copy(Site.A, a, np.arange(8, dtype=np.int32))
+    fake.status = 1
+    assert c._flush_fast() is False and c._fast_flushes == flushes
+    fake.status = 0
+    assert c._flush_fast() is True and c._fast_flushes == flushes + 1
+    c.discard()
+    dev.synchronize()
+    assert dev.to_host(a).tolist() == list(range(8)) and problems == []
+    c.close()
 
 
 @needs_ext
@@ -904,6 +950,7 @@ def _landing_copier(
     if graphs:
         d.graphs(*fake.graph_addrs, WHOLE, pack.GRAPH_CAPACITY)
     c._launcher, c._handle = d.launcher(), 77
+    c._test_driver = d
     if events:
         c._ring._launcher = c._launcher
     return c, site, dev, fake, problems

@@ -322,6 +322,13 @@ static int ull_args(PyObject *const *args, Py_ssize_t nargs, int n, unsigned lon
     return 0;
 }
 
+/* the capture query as the launcher's C function: the CUresult, *status set */
+static int capturing_impl(void *drv, unsigned long long stream, int *status) {
+    Driver *self = (Driver *)drv;
+    if (!same_context(self)) return OTHER_CONTEXT;
+    return self->capturing((void *)(uintptr_t)stream, status);
+}
+
 /* is_capturing(stream) -> int: the capture status (0 none, 1 active, 2 invalidated),
  * or -CUresult when the query failed */
 static PyObject *Driver_is_capturing(Driver *self, PyObject *arg) {
@@ -469,6 +476,7 @@ static PyObject *Driver_launcher(Driver *self, PyObject *Py_UNUSED(unused)) {
     self->launcher.query = query_impl;
     self->launcher.carried_at = carried_at_impl;
     self->launcher.graphed = graphed_impl;
+    self->launcher.capturing = capturing_impl;
     self->launcher.graph_cap = self->whole ? self->graph_cap : 0;
     PyObject *cap = PyCapsule_New(&self->launcher, LAUNCHER_NAME, launcher_free);
     if (!cap) return NULL;
