@@ -2954,13 +2954,23 @@ static inline int empty_list(PyObject *x) {
     return x != NULL && PyList_CheckExact(x) && PyList_GET_SIZE(x) == 0;
 }
 
-/* an exact non-negative int's value below 2**63 (a device address, a stream handle):
- * 1 read, 0 not (no exception left set); digit by digit, where PyLong_AsUnsignedLongLong
- * goes through _PyLong_AsByteArray for any int past one digit */
+/* an exact non-negative int's value below 2**64 (a device address, a stream handle):
+ * 1 read, 0 not (no exception left set). Below 2**63 (every CUDA address) digit by
+ * digit, where PyLong_AsUnsignedLongLong goes through _PyLong_AsByteArray for any int
+ * past one digit; above it (the simulated device's addresses may be) that way. */
 static inline int u64_field(PyObject *x, unsigned long long *out) {
     if (x == NULL || !PyLong_CheckExact(x)) return 0;
     int overflow;
     long long v = PyLong_AsLongLongAndOverflow(x, &overflow);
+    if (overflow > 0) {
+        unsigned long long u = PyLong_AsUnsignedLongLong(x);
+        if (u == (unsigned long long)-1 && PyErr_Occurred()) {
+            PyErr_Clear();
+            return 0;
+        }
+        *out = u;
+        return 1;
+    }
     if (overflow || v < 0 || (v == -1 && PyErr_Occurred())) {
         PyErr_Clear();
         return 0;

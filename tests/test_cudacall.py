@@ -681,6 +681,29 @@ def test_the_compiled_begin_and_flush_ask_the_capture_status_through_the_launche
     c.close()
 
 
+@needs_both
+def test_compiled_flushes_take_slot_addresses_past_2_63(monkeypatch):
+    # the simulated device's addresses pass 2**63 from its 127th device on (CUDA's do
+    # not); the compiled flush reads them as the Python path does
+    import itertools
+
+    from cucopy import copier as copier_mod
+    from cucopy.backends import sim as sim_mod
+
+    monkeypatch.setattr(sim_mod, "_device_ids", itertools.count(150))
+    c, Site, dev, fake, problems = _landing_copier("inline")
+    a = dev.zeros((8,), np.int32)
+    for k in range(6):
+        with c.step():
+            c.copy(Site.A, a, np.full(8, k, np.int32))
+        dev.synchronize()
+        assert dev.to_host(a).tolist() == [k] * 8
+    assert c._slot.base >= 1 << 63 and problems == []
+    compiled = copier_mod._CopierCore is not copier_mod.PyCopierCore
+    assert c._fast_flushes == (6 if compiled else 0)
+    c.close()
+
+
 @needs_ext
 def test_a_launcher_keeps_its_driver_alive():
     import gc
