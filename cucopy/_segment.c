@@ -2999,17 +2999,6 @@ static CarriedLauncher *event_launcher(PyObject *cap) {
     return L->abi == LAUNCHER_ABI && L->record && L->query ? L : NULL;
 }
 
-/* event as a raw handle (an int): 1 read, 0 not (no exception left set) */
-static int event_handle(PyObject *event, unsigned long long *out) {
-    if (!event || !PyLong_CheckExact(event)) return 0;
-    *out = PyLong_AsUnsignedLongLong(event);
-    if (PyErr_Occurred()) {
-        PyErr_Clear();
-        return 0;
-    }
-    return 1;
-}
-
 static inline long long floordiv(long long a, long long b) {
     long long q = a / b;
     return (a % b != 0 && ((a < 0) != (b < 0))) ? q - 1 : q;
@@ -3020,7 +3009,7 @@ static inline long long floordiv(long long a, long long b) {
  * query and ev is a raw handle, else the backend's event_query(). */
 static int ring_ask(RingCore *r, CarriedLauncher *L, PyObject *ev) {
     unsigned long long h;
-    if (L && event_handle(ev, &h)) {
+    if (L && u64_field(ev, &h)) {
         int rc = L->query(L->drv, h);
         return rc == 0 ? 1 : rc == 600 ? 0 : -1; /* 600: CUDA_ERROR_NOT_READY */
     }
@@ -3228,22 +3217,21 @@ GC_FIELDS(copiercore, CopierCore, COPIER_FIELDS)
 static PyObject *s_check_mode;
 static PyTypeObject CopierCoreType;
 
-static inline int u64_field(PyObject *x, unsigned long long *out);
-
 /* 1: not capturing; 0: capturing, or cannot tell (the Python path asks again). With
  * the launcher's own capture query and a raw stream handle, straight from C (the same
- * query as cap_query, the Driver's is_capturing, without a Python call) */
-static int not_capturing(CopierCore *c) {
+ * query as cap_query, the Driver's is_capturing, without a Python call). L: the
+ * copier's launcher when the caller has it already, else NULL (looked up here). */
+static int not_capturing(CopierCore *c, CarriedLauncher *L) {
     if (!c->cap_query || c->cap_query == Py_None || !c->cap_arg) return 0;
-    if (c->launcher && PyCapsule_CheckExact(c->launcher) && c->handle == c->cap_arg) {
-        CarriedLauncher *L = PyCapsule_GetPointer(c->launcher, LAUNCHER_NAME);
-        unsigned long long stream;
-        if (!L) {
-            PyErr_Clear();
-        } else if (L->abi == LAUNCHER_ABI && L->capturing && u64_field(c->handle, &stream)) {
-            int status = -1;
-            return L->capturing(L->drv, stream, &status) == 0 && status == 0;
-        }
+    if (c->handle == c->cap_arg && !L && c->launcher && PyCapsule_CheckExact(c->launcher)) {
+        L = PyCapsule_GetPointer(c->launcher, LAUNCHER_NAME);
+        if (!L) PyErr_Clear();
+    }
+    unsigned long long stream;
+    if (L && c->handle == c->cap_arg && L->abi == LAUNCHER_ABI && L->capturing &&
+        u64_field(c->handle, &stream)) {
+        int status = -1;
+        return L->capturing(L->drv, stream, &status) == 0 && status == 0;
     }
     PyObject *st = PyObject_CallOneArg(c->cap_query, c->cap_arg);
     if (!st) {
@@ -3289,7 +3277,7 @@ static PyObject *copiercore_begin_fast(CopierCore *c, PyObject *unused) {
         Py_RETURN_FALSE;
     }
     Py_DECREF(mode);
-    if (mode != Py_False || !not_capturing(c)) Py_RETURN_FALSE;
+    if (mode != Py_False || !not_capturing(c, NULL)) Py_RETURN_FALSE;
     long long cap_for, cap;
     if (!c->tables || !c->cap_for || !c->cap || !int_field(c->cap_for, &cap_for) ||
         !int_field(c->cap, &cap)) {
@@ -3395,14 +3383,14 @@ static PyObject *copiercore_flush_fast(CopierCore *c, PyObject *unused) {
         long long index;
         if (!int_field(ring->index, &index) || index < 0 ||
             index >= PyList_GET_SIZE(ring->events) ||
-            !event_handle(PyList_GET_ITEM(ring->events, index), &event))
+            !u64_field(PyList_GET_ITEM(ring->events, index), &event))
             mapped_max = -1;
     } else {
         mapped_max = -1;
     }
     PyErr_Clear();
     if (mapped_only && mapped_max < 0) Py_RETURN_FALSE;
-    if (!not_capturing(c)) Py_RETURN_FALSE;
+    if (!not_capturing(c, L)) Py_RETURN_FALSE;
     /* from here on as _flush_segment: an error is flush()'s to report (the segment cut) */
     int64_t off, end, nblocks;
     Py_ssize_t n;
@@ -3410,12 +3398,12 @@ static PyObject *copiercore_flush_fast(CopierCore *c, PyObject *unused) {
     int64_t total = end - off, head = HEADER_BYTES + (int64_t)n * DESC_BYTES;
     PyObject *how;
     long long gcap = 0;
-    if (mapped_only && mapped_max >= 0 && L->abi == LAUNCHER_ABI && L->graphed && c->graph_cap &&
-        int_field(c->graph_cap, &gcap) && gcap > 0 && (size_t)gcap <= L->graph_cap &&
+    if (mapped_only && mapped_max >= 0 && E->graphed && c->graph_cap &&
+        int_field(c->graph_cap, &gcap) && gcap > 0 && (size_t)gcap <= E->graph_cap &&
         total <= gcap && off + gcap <= (int64_t)seg->view.len && off + gcap <= seg->top) {
         /* _land's graphed launch: its kernel reads gcap bytes at the segment when it
          * runs, so the slot's next segment starts past them */
-        if (L->graphed(L->drv, stream, dev + (unsigned long long)off) != 0) goto cut;
+        if (E->graphed(E->drv, stream, dev + (unsigned long long)off) != 0) goto cut;
         if (seg->cursor < off + gcap) seg->cursor = off + gcap;
         how = s_mapped;
         Py_SETREF(slot->dirty, Py_NewRef(Py_True));

@@ -792,15 +792,21 @@ def _two_copy_steps(env, c, site, steps: int) -> None:
         assert env.to_host(b).tolist() == [i * step for i in range(300)]
 
 
-@pytest.mark.gpu
-@needs_both
-def test_on_a_gpu_inline_segments_launch_from_the_staging_core(env):
+def _gpu_copier(env, **kw):
+    """A copier on the GPU merging two sites ``a`` and ``b``: ``(copier, site)``; skips
+    where the compiled launcher is not in use (pure Python, or the simulated device)."""
     import cucopy as cc
 
     if os.environ.get("CUCOPY_PURE_PYTHON") or not hasattr(env, "cp"):
         pytest.skip("the compiled launcher is the CUDA backend's")
     site = cc.CopySite("G", [("a", cc.H2D), ("b", cc.H2D)])
-    c = env.copier(cc.CopyPlan(merge=set(site)), flush_mode="auto")
+    return env.copier(cc.CopyPlan(merge=set(site)), **kw), site
+
+
+@pytest.mark.gpu
+@needs_both
+def test_on_a_gpu_inline_segments_launch_from_the_staging_core(env):
+    c, site = _gpu_copier(env, flush_mode="auto")
     assert c._launcher is not None
     calls = []
     scatter = c._backend.scatter
@@ -822,12 +828,7 @@ def test_on_a_gpu_small_segments_launch_graphed_and_wait_for_their_slots(env):
     # mapped: a step of 1.2 KB goes through the one-node graph made for its slot's
     # address, from the staging core; behind a stalled stream the host stages more
     # steps than the ring has slots, and each reuse waits for the slot's own launch
-    import cucopy as cc
-
-    if os.environ.get("CUCOPY_PURE_PYTHON") or not hasattr(env, "cp"):
-        pytest.skip("the compiled launcher is the CUDA backend's")
-    site = cc.CopySite("G", [("a", cc.H2D), ("b", cc.H2D)])
-    c = env.copier(cc.CopyPlan(merge=set(site)), flush_mode="mapped", slots=2)
+    c, site = _gpu_copier(env, flush_mode="mapped", slots=2)
     fast = c._backend._bound
     if fast is None or not fast.graph_cap:
         pytest.skip("no graphed launches on this driver")

@@ -447,7 +447,7 @@ static PyObject *Driver_graph_count(Driver *self, void *unused) {
 }
 
 static PyObject *Driver_graph_cap(Driver *self, void *unused) {
-    return PyLong_FromSize_t(self->whole ? self->graph_cap : 0);
+    return PyLong_FromSize_t(self->graph_cap);
 }
 
 static PyGetSetDef Driver_getset[] = {
@@ -477,7 +477,7 @@ static PyObject *Driver_launcher(Driver *self, PyObject *Py_UNUSED(unused)) {
     self->launcher.carried_at = carried_at_impl;
     self->launcher.graphed = graphed_impl;
     self->launcher.capturing = capturing_impl;
-    self->launcher.graph_cap = self->whole ? self->graph_cap : 0;
+    self->launcher.graph_cap = self->graph_cap;
     PyObject *cap = PyCapsule_New(&self->launcher, LAUNCHER_NAME, launcher_free);
     if (!cap) return NULL;
     if (PyCapsule_SetContext(cap, Py_NewRef(self)) < 0) {
