@@ -147,25 +147,11 @@ fi
 # shellcheck disable=SC2086  # BENCH_ARGS is a list of options
 step bench 200 "$PY" -m bench --out "$work/bench/results" ${BENCH_ARGS:-}
 
-# graphed launches on and off (CUCOPY_NO_GRAPHS=1), alternating processes on one host:
-# the merged step's host and GPU time at N = 8 / 32 / 128 beside chained copy_ and the
-# batch API (session 11)
-graphs_ab() {
-    local r g tag
-    for r in 1 2 3; do
-        for g in 1 ""; do
-            tag=on
-            [[ -n $g ]] && tag=off
-            CUCOPY_NO_GRAPHS=$g "$PY" bench/step_cost.py --n 8,32,128 --reps 120 --no-progress \
-                --contenders cucopy_auto,torch_chain,batch_memcpy \
-                --json "$work/bench/graphs_ab-$tag-$r.json" |
-                grep -E "^(cucopy_auto|torch_chain|batch_memcpy) " | sed "s/^/round $r graphs $tag: /"
-        done
-    done
-}
-export -f graphs_ab
-export work
-step graphs_ab 150 bash -c graphs_ab
+# the graphed kernel's variants (session 12): one warp a descriptor or the whole block,
+# 8 or 32 KiB read a launch, and graphs off; each in its own process, alternating
+# (session 11's on/off rounds, graphs_ab, are in 2026-12-02-h200-graphs-ab)
+step graph_kernel 170 "$PY" bench/probes/graph_kernel.py --variants off,warp8k,block8k,block32k \
+    --rounds 2 --n 8,32 --reps 100 --json "$work/bench/graph_kernel.json"
 
 # the host path's pieces (an open question: bench/README.md, probes)
 step hot_path 40 "$PY" bench/probes/hot_path.py --n 32

@@ -175,6 +175,18 @@ def test_graphed_kernel_matches_pack(nvrtc, arch):
     assert pack.GRAPH_CAPACITY % (16 * pack.THREADS) == 0
 
 
+@pytest.mark.parametrize("spread, cap", [(0, 8192), (1, 8192), (1, 16384), (1, 32768)])
+def test_graphed_kernel_variants_build_warning_free(nvrtc, spread, cap):
+    # bench/probes/graph_kernel.py builds these on a GPU; the source must keep taking them
+    code = f"#define CUCOPY_GRAPH_SPREAD {spread}\n#define CUCOPY_GRAPH_CAP {cap}u\n"
+    code += kernels.source([pack.GRAPH_ENTRY_POINT])
+    code += f"\nstatic_assert(CUCOPY_GRAPH_CAP == {cap}u && CUCOPY_GRAPH_SPREAD == {spread});\n"
+    ptx = kernels.compile_ptx("sm_90", code=code, name="graph_variant.cu")
+    assert re.findall(r"\.entry (\w+)\(", ptx) == [pack.GRAPH_ENTRY_POINT]
+    # the shared bytes the kernel reads a launch are the capacity asked for
+    assert re.search(rf"\.shared \.align 16 \.b8 \w+\[{cap}\]", ptx), ptx[:2000]
+
+
 def test_carry_layout_check_is_not_vacuous(nvrtc):
     code = _PRELUDE + kernels.source() + "\n" + carry_asserts(capacities=(1000,))
     with pytest.raises(RuntimeError, match=r"CucopyCarried<1000>: size != 1016"):

@@ -909,7 +909,20 @@ cucopy_scatter_feed(const unsigned char* __restrict__ box, unsigned int entries,
 // CUCOPY_GRAPH_CAP bytes at seg readable, and unwritten until the launch completes.
 // Launch: grid 1 (any grid is correct: block b runs blocks b, b + gridDim.x, ...),
 // block CUCOPY_THREADS.
+//
+// CUCOPY_GRAPH_SPREAD: how the segment's descriptors share the block when it all sits in
+// shared memory. 1: the whole block runs each descriptor in turn, each descriptor's
+// first window on the next warp (a step's many small descriptors land on different
+// warps; a large one on every thread). 0: one warp a descriptor (session 11's first
+// kernel: a 4 KiB descriptor is 8 windows a lane, one after another). No barrier
+// either way: nothing is written to shared memory past the first. bench/probes/
+// graph_kernel.py builds both (and other capacities) to compare them on a GPU.
+#ifndef CUCOPY_GRAPH_CAP
 #define CUCOPY_GRAPH_CAP 8192u
+#endif
+#ifndef CUCOPY_GRAPH_SPREAD
+#define CUCOPY_GRAPH_SPREAD 1
+#endif
 static_assert(CUCOPY_GRAPH_CAP % (16u * CUCOPY_THREADS) == 0u, "whole rounds of 16-byte loads");
 
 #if CUCOPY_BUILDS(20)
@@ -939,9 +952,22 @@ cucopy_scatter_w8k(const unsigned char* __restrict__ seg)
     const cucopy_u64 base = reinterpret_cast<cucopy_u64>(s_bytes);
     if (h.total_bytes <= CUCOPY_GRAPH_CAP && doff == CUCOPY_HEADER_BYTES && n == nblocks) {
         // The copier's case: all of it in shared memory, one block's work a descriptor
-        // (pack.split). Each warp runs whole descriptors, so a step's few descriptors
-        // run side by side instead of one after another.
+        // (pack.split); shared by the block's threads as CUCOPY_GRAPH_SPREAD says.
         const CucopyDesc* table = reinterpret_cast<const CucopyDesc*>(s_bytes + doff);
+#if CUCOPY_GRAPH_SPREAD
+        for (cucopy_u32 i = blockIdx.x; i < n; i += gridDim.x) {
+            const CucopyDesc& d = table[i];
+            CucopyJob j;
+            if (!cucopy_job_init(j, d.kind, d.dst, d.kind == CUCOPY_KIND_D2D ? d.src : base + d.src,
+                                 d.value, d.dst_pitch, d.src_pitch, d.width, d.rows, d.elem)) {
+                continue;
+            }
+            // window w of descriptor i falls to thread (w + 32 i) mod CUCOPY_THREADS
+            const unsigned rot = (i * 32u) % CUCOPY_THREADS;
+            const unsigned t = (threadIdx.x + CUCOPY_THREADS - rot) % CUCOPY_THREADS;
+            cucopy_run<true>(j, t, j.rows * j.ppr, CUCOPY_THREADS);
+        }
+#else
         const unsigned lane = threadIdx.x & 31u;
         for (cucopy_u32 i = blockIdx.x * (CUCOPY_THREADS / 32u) + threadIdx.x / 32u; i < n;
              i += gridDim.x * (CUCOPY_THREADS / 32u)) {
@@ -953,6 +979,7 @@ cucopy_scatter_w8k(const unsigned char* __restrict__ seg)
             }
             cucopy_run<true>(j, lane, j.rows * j.ppr, 32u);
         }
+#endif
         return;
     }
     if ((cucopy_u64)doff + (cucopy_u64)n * CUCOPY_DESC_BYTES <= CUCOPY_GRAPH_CAP) {
