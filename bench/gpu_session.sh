@@ -147,11 +147,11 @@ fi
 # shellcheck disable=SC2086  # BENCH_ARGS is a list of options
 step bench 200 "$PY" -m bench --out "$work/bench/results" ${BENCH_ARGS:-}
 
-# the graphed kernel's variants (session 12): one warp a descriptor or the whole block,
-# 8 or 32 KiB read a launch, and graphs off; each in its own process, alternating
-# (session 11's on/off rounds, graphs_ab, are in 2026-12-02-h200-graphs-ab)
-step graph_kernel 170 "$PY" bench/probes/graph_kernel.py --variants off,warp8k,block8k,block32k \
-    --rounds 2 --n 8,32 --reps 100 --json "$work/bench/graph_kernel.json"
+# graphed launches on and off (auto graphs small segments since session 12) and the
+# graphed kernel's variants (one warp a descriptor, the default, or the whole block);
+# each in its own process, alternating (session 12's first run also tried 32 KiB reads)
+step graph_kernel 170 "$PY" bench/probes/graph_kernel.py --variants off,warp8k,block8k \
+    --rounds 3 --n 8,32 --reps 100 --json "$work/bench/graph_kernel.json"
 
 # the host path's pieces (an open question: bench/README.md, probes)
 step hot_path 40 "$PY" bench/probes/hot_path.py --n 32

@@ -19,10 +19,10 @@ launch) without costing the GPU more?
 Each variant runs in a process of its own (the CUDA backend builds its kernels once a
 process): the kernel source gets the variant's ``#define`` lines first and
 ``pack.GRAPH_CAPACITY`` is set to match, then ``bench/step_cost.py`` measures
-``cucopy_mapped`` (graphed where the segment fits), ``cucopy_auto`` (carried) and the
-batch API at each N: host µs a copy and GPU µs a step behind a held stream, as the
-bench does. ``off`` is the unpatched kernel with ``CUCOPY_NO_GRAPHS=1`` (``mapped``
-without graphs). Variants alternate within a round, the order reversed every other
+``cucopy_mapped`` and ``cucopy_auto`` (graphed where the segment fits; ``auto`` since
+session 12), ``cucopy_inline`` (carried) and the batch API at each N: host µs a copy
+and GPU µs a step behind a held stream, as the bench does. ``off`` is the unpatched
+kernel with ``CUCOPY_NO_GRAPHS=1`` (``mapped`` and ``auto`` without graphs). Variants alternate within a round, the order reversed every other
 round, so the host's spells fall on all of them. Needs a GPU.
 Answer: ``bench/results/`` (session 12's run with this probe, ``graph_kernel.*``).
 """
@@ -52,7 +52,7 @@ VARIANTS: dict[str, tuple[int, int] | None] = {
     "block32k": (1, 32768),
 }
 
-CONTENDERS = "cucopy_mapped,cucopy_auto,batch_memcpy"
+CONTENDERS = "cucopy_mapped,cucopy_auto,cucopy_inline,batch_memcpy"
 
 
 def patch(variant: str) -> None:
