@@ -3359,6 +3359,8 @@ static PyObject *copiercore_flush_fast(CopierCore *c, PyObject *unused) {
                   (fm != s_mapped && (!PyUnicode_CompareWithASCIIString(fm, "inline") ||
                                       !PyUnicode_CompareWithASCIIString(fm, "auto")));
     int mapped_only = !carries && (fm == s_mapped || !PyUnicode_CompareWithASCIIString(fm, "mapped"));
+    int is_auto = carries && (fm == s_auto ||
+                              (fm != s_inline && !PyUnicode_CompareWithASCIIString(fm, "auto")));
     if (!carries && !mapped_only) Py_RETURN_FALSE;
     if (!step_is_callers(c, PyThread_get_thread_ident())) Py_RETURN_FALSE;
     Segment *seg = (Segment *)c->seg;
@@ -3398,11 +3400,13 @@ static PyObject *copiercore_flush_fast(CopierCore *c, PyObject *unused) {
     int64_t total = end - off, head = HEADER_BYTES + (int64_t)n * DESC_BYTES;
     PyObject *how;
     long long gcap = 0;
-    if (mapped_only && mapped_max >= 0 && E->graphed && c->graph_cap &&
+    if (mapped_max >= 0 && (mapped_only || (is_auto && total <= mapped_max)) && E->graphed &&
+        c->graph_cap &&
         int_field(c->graph_cap, &gcap) && gcap > 0 && (size_t)gcap <= E->graph_cap &&
         total <= gcap && off + gcap <= (int64_t)seg->view.len && off + gcap <= seg->top) {
-        /* _land's graphed launch: its kernel reads gcap bytes at the segment when it
-         * runs, so the slot's next segment starts past them */
+        /* _land's graphed launch (mapped, and auto: half a carried launch's host
+         * time): its kernel reads gcap bytes at the segment when it runs, so the
+         * slot's next segment starts past them */
         if (E->graphed(E->drv, stream, dev + (unsigned long long)off) != 0) goto cut;
         if (seg->cursor < off + gcap) seg->cursor = off + gcap;
         how = s_mapped;

@@ -236,7 +236,8 @@ class PyCopierCore:
         are staged, check mode is off, the flush mode is ``inline``, ``auto`` or
         ``mapped``, the backend has a compiled launch and the stream is not
         capturing: cuts the segment and launches it as
-        :meth:`DeviceCopier._flush_segment` would, carried whole when it fits
+        :meth:`DeviceCopier._flush_segment` would: graphed when the backend's graph
+        reads all of it (``mapped``, ``auto``), else carried whole when it fits
         (``inline``, ``auto``), else read mapped with its header and table carried
         (``mapped``, and ``auto`` up to ``_mapped_max`` bytes), then records the
         slot's event after a mapped launch through the launcher's compiled
@@ -321,7 +322,12 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
         (``auto``). ``mapped`` carries the header and descriptor table in the
         launch when they fit, so the kernel's only read of host memory is the
         data; ``inline`` falls back to ``auto`` for a segment larger than the
-        backend's largest parameter buffer (32 KiB on CUDA 12.1 or later).
+        backend's largest parameter buffer (32 KiB on CUDA 12.1 or later). Where
+        the backend launches graphs (CUDA, with the compiled driver calls),
+        ``mapped`` and ``auto`` launch a segment of at most 8 KiB through a
+        one-node CUDA graph made once per ring slot, whose kernel reads the
+        segment from the slot: half a kernel launch's host time, for about 2 µs
+        more GPU time than ``inline``'s carried launch.
 
     Raises
     ------
@@ -365,10 +371,10 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
         # waiting for its peers). A copier is made before such phases.
         caps = self._backend.carry_capacities()
         self._carry_max = caps[-1] if caps else 0
-        # "mapped" segments of at most this many bytes are launched graphed (a one-node
-        # graph per segment address, launched as made: about half a kernel launch's
-        # host time, for ~2 us more GPU time at 6 KB than carrying them, which "auto"
-        # does: bench/results/2026-12-02-h200-graphs-ab); 0: the backend has no graphs
+        # "mapped" and "auto" segments of at most this many bytes are launched graphed
+        # (a one-node graph per segment address, launched as made: about half a kernel
+        # launch's host time, for ~2 us more GPU time at 6 KB than carrying them, which
+        # "inline" does: bench/README.md, session 12); 0: the backend has no graphs
         self._graph_cap = self._backend.graph_capacity()
         # the capture query begin() makes (compiled on CUDA once the kernels are loaded),
         # and the module whose CHECK_MODE the compiled begin() reads
@@ -1455,7 +1461,8 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
                     checker.before_flush(entries)
                 if mode in ("inline", "auto"):
                     launcher = self._launcher
-                    if launcher is not None:
+                    # (auto with graphed launches: _land picks graphed or carried)
+                    if launcher is not None and not (mode == "auto" and self._graph_cap):
                         # cut and, when the whole segment fits, the carried launch, in one call
                         cut = seg.flush_carried(launcher, self._handle, cmax, pin.device_ptr)
                     else:
@@ -1490,9 +1497,16 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
         head = pack.HEADER_BYTES + n * pack.DESC_BYTES
         total = end - start
         gcap = self._graph_cap
-        if gcap and mode == "mapped" and total <= gcap and start + gcap <= min(slot.size, slot.top):
+        if (
+            gcap
+            and (mode == "mapped" or (mode == "auto" and total <= self._mapped_max))
+            and total <= gcap
+            and start + gcap <= min(slot.size, slot.top)
+        ):
             # graphed: the kernel reads gcap bytes at the segment when it runs, so the
-            # slot's next segment starts past them (its event guards them till then)
+            # slot's next segment starts past them (its event guards them till then).
+            # auto too: a graph launch costs the host half a carried launch (the GPU
+            # about 2 us more, reading mapped memory: bench/README.md, session 12)
             be.scatter_graphed(pin.device_ptr + start, nblocks, self._stream)
             if end < start + gcap:
                 self._seg.set_cursor(start + gcap)

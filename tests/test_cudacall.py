@@ -806,7 +806,7 @@ def _gpu_copier(env, **kw):
 @pytest.mark.gpu
 @needs_both
 def test_on_a_gpu_inline_segments_launch_from_the_staging_core(env):
-    c, site = _gpu_copier(env, flush_mode="auto")
+    c, site = _gpu_copier(env, flush_mode="inline")
     assert c._launcher is not None
     calls = []
     scatter = c._backend.scatter
@@ -824,11 +824,12 @@ def test_on_a_gpu_inline_segments_launch_from_the_staging_core(env):
 
 @pytest.mark.gpu
 @needs_both
-def test_on_a_gpu_small_segments_launch_graphed_and_wait_for_their_slots(env):
-    # mapped: a step of 1.2 KB goes through the one-node graph made for its slot's
-    # address, from the staging core; behind a stalled stream the host stages more
-    # steps than the ring has slots, and each reuse waits for the slot's own launch
-    c, site = _gpu_copier(env, flush_mode="mapped", slots=2)
+@pytest.mark.parametrize("mode", ["mapped", "auto"])
+def test_on_a_gpu_small_segments_launch_graphed_and_wait_for_their_slots(env, mode):
+    # mapped and auto: a step of 1.2 KB goes through the one-node graph made for its
+    # slot's address, from the staging core; behind a stalled stream the host stages
+    # more steps than the ring has slots, and each reuse waits for the slot's own launch
+    c, site = _gpu_copier(env, flush_mode=mode, slots=2)
     fast = c._backend._bound
     if fast is None or not fast.graph_cap:
         pytest.skip("no graphed launches on this driver")
@@ -1116,19 +1117,49 @@ def test_a_segment_too_large_or_too_near_the_top_is_not_graphed():
 
 
 @pytest.mark.parametrize("mode", ["auto", "inline", "dma"])
-def test_only_mapped_segments_launch_graphed(mode):
-    # auto carries small segments whole (less GPU time than a graphed launch's read of
-    # mapped memory), inline always, dma uploads them
+def test_mapped_and_auto_segments_launch_graphed(mode):
+    # auto launches small segments graphed too (half a carried launch's host time),
+    # inline carries them always, dma uploads them
+    from cucopy import copier as copier_mod
+
     c, Site, dev, fake, problems = _landing_copier("mapped", events=True, graphs=True)
     c.flush_mode = mode
+    compiled = copier_mod._CopierCore is not copier_mod.PyCopierCore
     a = dev.zeros((8,), np.int32)
     for k in range(2):
         with c.step():
             c.copy(Site.A, a, np.arange(8, dtype=np.int32) + k)
         dev.synchronize()
         assert dev.to_host(a).tolist() == list(range(k, k + 8))
-    want = "inline" if mode == "auto" else mode
-    assert fake.graph_launches == [] and c.stats.modes[want] == 2 and problems == []
+    want = "mapped" if mode == "auto" else mode
+    assert c.stats.modes[want] == 2 and problems == []
+    assert len(fake.graph_launches) == (2 if mode == "auto" and compiled else 0)
+    if mode == "auto":
+        assert fake.launches == []  # no carried launch: graphed (or, Python twin, mapped)
+        assert c._fast_flushes == (2 if compiled else 0)
+    c.close()
+
+
+@pytest.mark.parametrize("mapped_max", [0, 1 << 20])
+def test_auto_carries_what_a_graph_would_not_read_or_its_threshold_forbids(mapped_max):
+    # over GRAPH_CAPACITY bytes (within the largest carry): carried whole, as before;
+    # a small segment with the mapped threshold below it (mapped_threshold=0 means
+    # never read mapped memory) is carried too
+    c, Site, dev, fake, problems = _landing_copier("auto", events=True, graphs=True)
+    c._mapped_max = mapped_max
+    big = dev.zeros((3000,), np.int32)  # 12 KB: over the graph's read, under the carry
+    small = dev.zeros((4,), np.int32)
+    with c.step():
+        c.copy(Site.A, big, np.arange(3000, dtype=np.int32))
+    with c.step():
+        c.copy(Site.A, small, np.arange(4, dtype=np.int32))
+    dev.synchronize()
+    assert dev.to_host(big).tolist() == list(range(3000))
+    assert dev.to_host(small).tolist() == [0, 1, 2, 3]
+    graphed = 1 if mapped_max else 0
+    assert c.stats.modes["inline"] == 2 - graphed
+    assert c.stats.modes["mapped"] == graphed
+    assert problems == []
     c.close()
 
 
@@ -1233,9 +1264,9 @@ def test_random_steps_land_through_the_compiled_flushes_with_events(mode, seed, 
     for d_, w in zip(dsts, want):
         assert np.array_equal(dev.to_host(d_), w)
     assert problems == []
-    if graphs and mode == "mapped" and c._fast_flushes:
+    if graphs and mode in ("mapped", "auto") and c._fast_flushes:
         assert fake.graph_launches  # small segments went graphed from the staging core
-    if not graphs or mode != "mapped":
+    if not graphs or mode == "inline":
         assert fake.graph_launches == []
     # every slot but the current one left clean: none is read behind the ring's back
     for s_ in c._ring._slots:
