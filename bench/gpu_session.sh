@@ -150,8 +150,9 @@ step bench 200 "$PY" -m bench --out "$work/bench/results" ${BENCH_ARGS:-}
 # graphed launches on and off (auto graphs small segments since session 12) and the
 # graphed kernel's variants (one warp a descriptor, the default, or the whole block);
 # each in its own process, alternating (session 12's first run also tried 32 KiB reads)
-step graph_kernel 170 "$PY" bench/probes/graph_kernel.py --variants off,warp8k,block8k \
-    --rounds 3 --n 8,32 --reps 100 --json "$work/bench/graph_kernel.json"
+# (and, session 12, streaming stores into the slots off: nont)
+step graph_kernel 170 "$PY" bench/probes/graph_kernel.py --variants off,warp8k,nont \
+    --rounds 2 --n 8,32,128,512 --reps 100 --json "$work/bench/graph_kernel.json"
 
 # the host path's pieces (an open question: bench/README.md, probes)
 step hot_path 40 "$PY" bench/probes/hot_path.py --n 32

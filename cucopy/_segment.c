@@ -17,7 +17,14 @@
 #include <pythread.h>
 #include <structmember.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
+#if defined(__SSE2__) || defined(_M_X64)
+#include <emmintrin.h>
+#define CUCOPY_NT 1
+#else
+#define CUCOPY_NT 0
+#endif
 #include "_carried_launcher.h"
 
 #define HEADER_BYTES 32
@@ -676,6 +683,10 @@ typedef struct {
     unsigned long owner; /* the thread whose step is open */
     int64_t top, bottom, cursor, seg, data0, reserve, size;
     int64_t peak; /* the largest table cut since the copier last read it */
+    /* streaming stores (a cache hint, see stage_bytes): data staged at or past this many
+     * bytes into the open segment bypasses the host's caches (-1: never) */
+    int64_t nt_from;
+    int nt_used; /* streaming stores since the last cut (an sfence owed before a launch) */
     DescVec descs;
     PyObject *entries; /* list of Entry */
     PyObject *spare;   /* an empty list kept with its capacity for the next segment, or NULL */
@@ -724,6 +735,53 @@ static void seg_dealloc(Segment *s) {
     Py_TYPE(s)->tp_free((PyObject *)s);
 }
 
+/* Copy n bytes into the slot with streaming (non-temporal) stores where dst is 16-byte
+ * aligned: they go to memory without taking the lines into the host's caches. The GPU
+ * (a mapped read, a DMA upload) then reads them from memory instead of snooping lines
+ * the host just dirtied, which cost an H200 about 2 us at 87 KB and 8 at 343 KB
+ * (bench/results/2026-11-30-h200-variants3). Only for bytes the GPU reads: a carried
+ * launch's driver copies the segment on the host, which wants them cached. The tail
+ * under 16 bytes goes through the cache. x86-64 only; elsewhere memcpy. */
+static int stage_nt(char *dst, const char *src, size_t n) {
+#if CUCOPY_NT
+    if (((uintptr_t)dst & 15u) || n < 64) {
+        memcpy(dst, src, n);
+        return 0;
+    }
+    size_t i = 0;
+    for (; i + 64 <= n; i += 64) {
+        __m128i a = _mm_loadu_si128((const __m128i *)(src + i));
+        __m128i b = _mm_loadu_si128((const __m128i *)(src + i + 16));
+        __m128i c = _mm_loadu_si128((const __m128i *)(src + i + 32));
+        __m128i d = _mm_loadu_si128((const __m128i *)(src + i + 48));
+        _mm_stream_si128((__m128i *)(dst + i), a);
+        _mm_stream_si128((__m128i *)(dst + i + 16), b);
+        _mm_stream_si128((__m128i *)(dst + i + 32), c);
+        _mm_stream_si128((__m128i *)(dst + i + 48), d);
+    }
+    for (; i + 16 <= n; i += 16)
+        _mm_stream_si128((__m128i *)(dst + i), _mm_loadu_si128((const __m128i *)(src + i)));
+    if (i < n) memcpy(dst + i, src + i, n - i);
+    return 1;
+#else
+    memcpy(dst, src, n);
+    return 0;
+#endif
+}
+
+/* Streaming stores are weakly ordered: fenced before anything may launch a read of
+ * them (cut_impl, which every landing of a segment starts with). */
+static inline void stage_fence(Segment *s) {
+#if CUCOPY_NT
+    if (s->nt_used) {
+        _mm_sfence();
+        s->nt_used = 0;
+    }
+#else
+    (void)s;
+#endif
+}
+
 static int seg_init(Segment *s, PyObject *args, PyObject *kw) {
     PyObject *merge, *barriers, *fills = NULL;
     static char *kwlist[] = {"merge", "barriers", "fills", NULL};
@@ -745,6 +803,7 @@ static int seg_init(Segment *s, PyObject *args, PyObject *kw) {
     if (!s->entries || !s->dcache || !s->scache || !s->vtypes) return -1;
     s->seg = -1;
     s->reserve = 16;
+    s->nt_from = -1;
     return 0;
 }
 
@@ -994,10 +1053,16 @@ static int append_raw_rows(Segment *s, PyObject *site, PyObject *on_drop, addr_t
     if (PyList_Append(s->entries, (PyObject *)e) < 0) { Py_DECREF(e); s->descs.n--;
         goto undo_claimed; }
     Py_DECREF(e);
+    int nt = s->nt_from >= 0 && off - s->seg >= s->nt_from;
     if (spitch && spitch != width && rows > 1) {
-        for (int64_t i = 0; i < rows; i++)
-            memcpy((char *)s->view.buf + off + i * width, (const char *)data + i * spitch,
-                   (size_t)width);
+        for (int64_t i = 0; i < rows; i++) {
+            char *to = (char *)s->view.buf + off + i * width;
+            const char *from = (const char *)data + i * spitch;
+            if (nt) s->nt_used |= stage_nt(to, from, (size_t)width);
+            else memcpy(to, from, (size_t)width);
+        }
+    } else if (nt) {
+        s->nt_used |= stage_nt((char *)s->view.buf + off, data, (size_t)nbytes);
     } else {
         memcpy((char *)s->view.buf + off, data, (size_t)nbytes);
     }
@@ -1708,6 +1773,7 @@ static int cut_impl(Segment *s, long long inline_max, int64_t *seg_out, int64_t 
         PyErr_SetString(PyExc_AssertionError, "internal: cut() with no slot");
         return -1;
     }
+    stage_fence(s);
     char *base = s->view.buf;
     int64_t seg = s->seg, data0 = s->data0, end = align_up(s->cursor, ALIGN), shift = 0;
     int64_t top = s->top;
@@ -1999,6 +2065,14 @@ static int seg_set_peak(Segment *s, PyObject *v, void *c) {
     return 0;
 }
 
+static PyObject *seg_get_nt_from(Segment *s, void *c) { return PyLong_FromLongLong(s->nt_from); }
+static int seg_set_nt_from(Segment *s, PyObject *v, void *c) {
+    long long n = v ? PyLong_AsLongLong(v) : -1;
+    if (n == -1 && PyErr_Occurred()) return -1;
+    s->nt_from = n < 0 ? -1 : n;
+    return 0;
+}
+
 static PyObject *seg_get_fast(Segment *s, void *c) { return PyBool_FromLong(s->fast); }
 static PyObject *seg_get_front_misses(Segment *s, void *c) {
     return PyLong_FromLongLong(s->dfront.misses + s->sfront.misses);
@@ -2021,6 +2095,9 @@ static PyGetSetDef seg_getset[] = {
      "Descriptors reserved per segment (set while no segment is open).", NULL},
     {"peak", (getter)seg_get_peak, (setter)seg_set_peak,
      "The largest descriptor table cut since it was last set.", NULL},
+    {"nt_from", (getter)seg_get_nt_from, (setter)seg_set_nt_from,
+     "Data staged this many bytes or more into a segment bypasses the host's caches "
+     "(streaming stores, for bytes the GPU reads); -1: never.", NULL},
     {"fast", (getter)seg_get_fast, (setter)seg_set_fast,
      "The fast path may be taken (by the thread that set it).", NULL},
     {"front_misses", (getter)seg_get_front_misses, NULL,
@@ -3261,6 +3338,8 @@ static int step_is_callers(CopierCore *c, unsigned long me) {
     return owner == me;
 }
 
+static int64_t nt_from_for(CopierCore *c);
+
 static PyObject *copiercore_begin_fast(CopierCore *c, PyObject *unused) {
     if (c->closed != Py_False || !c->seg || Py_TYPE(c->seg) != &SegmentType ||
         c->checker != Py_None || !c->ring || !PyObject_TypeCheck(c->ring, &RingCoreType) ||
@@ -3314,6 +3393,7 @@ static PyObject *copiercore_begin_fast(CopierCore *c, PyObject *unused) {
         Py_SETREF(c->cap_for, f);
         Py_SETREF(c->cap, k);
     }
+    seg->nt_from = nt_from_for(c);
     c->n_steps++; /* stats.steps += 1, folded when stats is read */
     Py_SETREF(c->slot, Py_NewRef(slot));
     Py_SETREF(c->feed, Py_NewRef(Py_None));
@@ -3329,7 +3409,31 @@ static PyObject *copiercore_begin_fast(CopierCore *c, PyObject *unused) {
 
 /* stats.modes[how] += 1, stats.segments += 1, stats.bytes_staged += total: counted
  * here, folded into stats when it is read (CopyStats.pending_totals) */
-static PyObject *s_inline, *s_mapped, *s_auto;
+static PyObject *s_inline, *s_mapped, *s_auto, *s_dma;
+static int nt_off; /* CUCOPY_NO_NT set at import: no streaming stores */
+
+/* DeviceCopier._nt_from: where the step's segments start staging with streaming stores.
+ * mapped and dma: the GPU reads all of a segment; auto and inline: what lies past the
+ * largest carry (the rest may travel in a launch, which the driver copies on the host). */
+static int64_t nt_from_for(CopierCore *c) {
+    PyObject *fm = c->flush_mode;
+    if (nt_off || !fm || !PyUnicode_Check(fm)) return -1;
+    if (fm == s_mapped || fm == s_dma) return 0;
+    long long cm;
+    if (fm == s_auto || fm == s_inline) {
+        if (!c->carry_max || !int_field(c->carry_max, &cm)) { PyErr_Clear(); return -1; }
+        return cm;
+    }
+    if (!PyUnicode_CompareWithASCIIString(fm, "mapped") ||
+        !PyUnicode_CompareWithASCIIString(fm, "dma"))
+        return 0;
+    if (!PyUnicode_CompareWithASCIIString(fm, "auto") ||
+        !PyUnicode_CompareWithASCIIString(fm, "inline")) {
+        if (!c->carry_max || !int_field(c->carry_max, &cm)) { PyErr_Clear(); return -1; }
+        return cm;
+    }
+    return -1;
+}
 
 static void count_segment(CopierCore *c, PyObject *how, int64_t total) {
     c->n_segments++;
@@ -3683,6 +3787,11 @@ PyMODINIT_FUNC PyInit__segment(void) {
     s_inline = PyUnicode_InternFromString("inline");
     s_mapped = PyUnicode_InternFromString("mapped");
     s_auto = PyUnicode_InternFromString("auto");
+    s_dma = PyUnicode_InternFromString("dma");
+    {
+        const char *e = getenv("CUCOPY_NO_NT");
+        nt_off = e && *e && strcmp(e, "0") != 0;
+    }
     if (!s_inline || !s_mapped || !s_auto) return NULL;
     s_check_mode = PyUnicode_InternFromString("CHECK_MODE");
     if (!s_check_mode) return NULL;

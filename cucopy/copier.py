@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextvars
+import os
 import threading
 import weakref
 
@@ -28,6 +29,9 @@ __all__ = ["DeviceCopier", "copy", "fill_tail", "flush", "active_copier"]
 _H2D, _D2D, _FILL = Direction.H2D, Direction.D2D, Direction.FILL
 _get_ident = threading.get_ident
 FLUSH_MODES = ("auto", "dma", "mapped", "inline")
+
+#: ``CUCOPY_NO_NT=1`` at import: no streaming stores (see DeviceCopier._nt_from)
+_NT_OFF = os.environ.get("CUCOPY_NO_NT", "") not in ("", "0")
 _EMPTY_PLAN = CopyPlan()
 _FILL_ELEMS = (1, 2, 4, 8)
 # Without a carried header and table (a backend that carries nothing), "auto"
@@ -569,6 +573,7 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
 
     def _advance(self) -> None:
         ring = self._ring
+        self._seg.nt_from = self._nt_from()  # (the compiled begin sets it as well)
         fast = ring.advance_fast(self._seg, self._tables, self._cap_for, self._cap)
         if fast is not None:
             # the common step, compiled (ring.PyRingCore.advance_fast): the same as below
@@ -596,6 +601,25 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
         if want > self._cap:
             want = self._cap
         seg.reserve = want if want > 16 else 16  # max(16, min(largest table, cap))
+
+    def _nt_from(self) -> int:
+        """Where a step's segment starts staging with streaming stores (a cache hint).
+
+        The compiled segment writes data staged this many bytes or more into a segment
+        with streaming stores, which bypass the host's caches: the GPU then reads it
+        from memory instead of snooping lines the host just wrote. ``mapped`` and
+        ``dma``: the GPU reads every byte. ``auto`` and ``inline``: what lies past the
+        largest carry (the rest may travel in a launch, which the driver copies on the
+        host). -1 (never) with ``CUCOPY_NO_NT=1`` in the environment at import.
+        """
+        if _NT_OFF:
+            return -1
+        mode = self.flush_mode
+        if mode == "mapped" or mode == "dma":
+            return 0
+        if mode == "auto" or mode == "inline":
+            return self._carry_max
+        return -1
 
     def flush(self) -> None:
         """Barrier: land everything staged (one upload + one launch per open segment).

@@ -201,6 +201,7 @@ class PySegment:
         "data0",
         "reserve",
         "peak",
+        "nt_from",
         "wide",
         "descs",
         "entries",
@@ -226,6 +227,9 @@ class PySegment:
         self.data0 = 0
         self.reserve = 16  # descriptors a new segment reserves room for (settable unopened)
         self.peak = 0  # the largest table cut since the copier last set it
+        # the compiled twin's cache hint (streaming stores for data staged this far into
+        # a segment, -1: never); the same bytes land either way, so it is kept, not used
+        self.nt_from = -1
         self.wide = False  # a destination wider than one block is staged
         self.descs: list = []
         self.entries: list = []

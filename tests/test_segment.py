@@ -596,3 +596,80 @@ def test_the_python_twin_never_launches_and_cuts_as_cut_does(monkeypatch):
         c.discard()
         c.close()
     assert isinstance(out[0], tuple) and out[0] == out[1]
+
+
+@pytest.mark.parametrize("mode", ["auto", "inline", "mapped", "dma"])
+def test_each_step_says_where_streaming_stores_begin(twin, mode):
+    # the compiled begin() and the Python twin's set the segment's cache hint alike:
+    # mapped and dma from the segment's first byte (the GPU reads all of it), auto and
+    # inline past the largest carry (a carried launch's driver copies it on the host)
+    dev = SimDevice(policy="lazy")
+    c = cc.DeviceCopier(PLAN, stream=dev.default_stream, device=dev, backend="sim", flush_mode=mode)
+    assert c._carry_max > 0
+    want = 0 if mode in ("mapped", "dma") else c._carry_max
+    a = dev.zeros((8,), np.int32)
+    for k in range(3):
+        with c.step():
+            assert c._seg.nt_from == want
+            c.copy(Site.A, a, np.full(8, k, np.int32))
+        assert dev.to_host(a).tolist() == [k] * 8
+    c.flush_mode = "mapped" if mode != "mapped" else "auto"  # read again each step
+    with c.step():
+        assert c._seg.nt_from == (0 if mode != "mapped" else c._carry_max)
+    c.close()
+
+
+@pytest.mark.skipif(CSegment is None, reason="the compiled twin is not built")
+@pytest.mark.parametrize("nt_from", [-1, 0, 100, 5000])
+def test_streaming_stores_stage_the_same_bytes(monkeypatch, nt_from):
+    # the compiled segment's streaming stores (x86-64: 16-byte aligned runs of 64 bytes
+    # and more, the tail cached) land every byte as memcpy does: sizes around the
+    # store widths, packed and gathered (table[:, :n]) sources, unaligned source starts
+    monkeypatch.setattr(copier_module, "Segment", CSegment)
+    dev, c = _sim_copier()
+    rng = np.random.default_rng(nt_from + 7)
+    sizes = [1, 3, 4, 15, 16, 17, 63, 64, 65, 100, 128, 129, 1000, 1024, 1500]
+    dsts = [dev.zeros((n,), np.int32) for n in sizes]
+    table = dev.zeros((6, 40), np.int32)
+    for _ in range(3):
+        wants = []
+        with c.step():
+            c._seg.nt_from = nt_from
+            for d in dsts:
+                n = d.shape[0]
+                big = rng.integers(-(2**31), 2**31, n + 1, dtype=np.int64).astype(np.int32)
+                src = big[1:]  # starts 4 bytes into its buffer: not 16-byte aligned
+                c.copy(Site.A, d, src)
+                wants.append(src.copy())
+            host = rng.integers(-99, 99, (6, 48), dtype=np.int32)
+            c.copy(Site.B, table[:, :33], host[:, :33])  # rows gathered
+        for d, w in zip(dsts, wants):
+            assert dev.to_host(d).tolist() == w.tolist()
+        assert dev.to_host(table)[:, :33].tolist() == host[:, :33].tolist()
+    assert c.stats.sites[Site.A].merged == 3 * len(sizes)
+    c.close()
+
+
+def test_no_streaming_stores_with_cucopy_no_nt():
+    # CUCOPY_NO_NT=1 at import: the hint stays -1 whatever the mode (both twins)
+    code = (
+        "import numpy as np, cucopy as cc\n"
+        "from cucopy.backends.sim import SimDevice\n"
+        "S = cc.CopySite('S', [('a', cc.H2D)])\n"
+        "dev = SimDevice(policy='lazy')\n"
+        "c = cc.DeviceCopier(cc.CopyPlan(merge={S.a}), stream=dev.default_stream,\n"
+        "                    device=dev, backend='sim', flush_mode='mapped')\n"
+        "with c.step():\n"
+        "    print(c._seg.nt_from)\n"
+        "    c.copy(S.a, dev.zeros((4,), np.int32), np.arange(4, dtype=np.int32))\n"
+    )
+    import subprocess
+    import sys
+
+    for off, want in (("1", "-1"), ("0", "0")):
+        env = dict(os.environ, CUCOPY_NO_NT=off)
+        out = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+        )
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.split() == [want]

@@ -22,7 +22,9 @@ process): the kernel source gets the variant's ``#define`` lines first and
 ``cucopy_mapped`` and ``cucopy_auto`` (graphed where the segment fits; ``auto`` since
 session 12), ``cucopy_inline`` (carried) and the batch API at each N: host µs a copy
 and GPU µs a step behind a held stream, as the bench does. ``off`` is the unpatched
-kernel with ``CUCOPY_NO_GRAPHS=1`` (``mapped`` and ``auto`` without graphs). Variants alternate within a round, the order reversed every other
+kernel with ``CUCOPY_NO_GRAPHS=1`` (``mapped`` and ``auto`` without graphs); ``nont``
+the tree's code with ``CUCOPY_NO_NT=1`` (no streaming stores into the staging slots,
+session 12: what they save the GPU's reads of a segment the host has just written). Variants alternate within a round, the order reversed every other
 round, so the host's spells fall on all of them. Needs a GPU.
 Answer: ``bench/results/`` (session 12's run with this probe, ``graph_kernel.*``).
 """
@@ -43,25 +45,28 @@ if __package__ in (None, ""):
 
 ROOT = Path(__file__).resolve().parents[2]
 
-#: name -> (CUCOPY_GRAPH_SPREAD, CUCOPY_GRAPH_CAP); None: the tree's kernel, graphs off
-VARIANTS: dict[str, tuple[int, int] | None] = {
-    "off": None,
-    "warp8k": (0, 8192),
-    "block8k": (1, 8192),
-    "block16k": (1, 16384),
-    "block32k": (1, 32768),
+#: name -> what the variant changes: ``spread`` and ``cap`` (the graphed kernel's
+#: CUCOPY_GRAPH_SPREAD and CUCOPY_GRAPH_CAP, pack.GRAPH_CAPACITY to match) and ``env``
+#: (set before cucopy is imported)
+VARIANTS: dict[str, dict] = {
+    "off": {"env": {"CUCOPY_NO_GRAPHS": "1"}},
+    "warp8k": {"spread": 0, "cap": 8192},
+    "block8k": {"spread": 1, "cap": 8192},
+    "block16k": {"spread": 1, "cap": 16384},
+    "block32k": {"spread": 1, "cap": 32768},
+    "nont": {"env": {"CUCOPY_NO_NT": "1"}},
 }
 
 CONTENDERS = "cucopy_mapped,cucopy_auto,cucopy_inline,batch_memcpy"
 
 
 def patch(variant: str) -> None:
-    """Make this process's CUDA backend build ``variant``'s graphed kernel."""
+    """Make this process's copiers run ``variant`` (before anything imports cucopy)."""
     spec = VARIANTS[variant]
-    if spec is None:
-        os.environ["CUCOPY_NO_GRAPHS"] = "1"
+    os.environ.update(spec.get("env", {}))
+    if "cap" not in spec:
         return
-    spread, cap = spec
+    spread, cap = spec["spread"], spec["cap"]
     from cucopy import kernels, pack
 
     original = kernels.source
@@ -159,7 +164,7 @@ def main(argv=None) -> int:
         g = statistics.median(x["gpu_us"] for x in xs if x["gpu_us"] is not None)
         print(f"{v:9s} {c:14s} N={n:<4d} host {h:6.2f}  GPU {g:6.2f}")
     if args.json:
-        doc = {"probe": "graph_kernel", "variants": {v: VARIANTS[v] for v in names}}
+        doc: dict = {"probe": "graph_kernel", "variants": {v: VARIANTS[v] for v in names}}
         doc["environment"] = env
         doc["runs"] = runs
         Path(args.json).write_text(json.dumps(doc, indent=1))
