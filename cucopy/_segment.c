@@ -735,19 +735,28 @@ static void seg_dealloc(Segment *s) {
     Py_TYPE(s)->tp_free((PyObject *)s);
 }
 
-/* Copy n bytes into the slot with streaming (non-temporal) stores where dst is 16-byte
- * aligned: they go to memory without taking the lines into the host's caches. The GPU
+/* Copy n bytes into the slot with streaming (non-temporal) stores, whole cache lines at
+ * a time: they go to memory without taking the lines into the host's caches. The GPU
  * (a mapped read, a DMA upload) then reads them from memory instead of snooping lines
  * the host just dirtied, which cost an H200 about 2 us at 87 KB and 8 at 343 KB
  * (bench/results/2026-11-30-h200-variants3). Only for bytes the GPU reads: a carried
- * launch's driver copies the segment on the host, which wants them cached. The tail
- * under 16 bytes goes through the cache. x86-64 only; elsewhere memcpy. */
+ * launch's driver copies the segment on the host, which wants them cached. x86-64
+ * only; elsewhere memcpy. */
 static int stage_nt(char *dst, const char *src, size_t n) {
 #if CUCOPY_NT
-    if (((uintptr_t)dst & 15u) || n < 64) {
+    /* whole 64-byte lines only: a line written in part by streaming stores leaves the
+     * write-combining buffer as a partial write, far slower than a cached one (an H200's
+     * host: 0.3 us a copy more at N = 512 with the lines' ends streamed too, session 12).
+     * The first and last lines of a copy go through the cache. */
+    size_t head = (size_t)(-(uintptr_t)dst & 63u);
+    if (n < head + 128) {
         memcpy(dst, src, n);
         return 0;
     }
+    memcpy(dst, src, head);
+    dst += head;
+    src += head;
+    n -= head;
     size_t i = 0;
     for (; i + 64 <= n; i += 64) {
         __m128i a = _mm_loadu_si128((const __m128i *)(src + i));
@@ -759,8 +768,6 @@ static int stage_nt(char *dst, const char *src, size_t n) {
         _mm_stream_si128((__m128i *)(dst + i + 32), c);
         _mm_stream_si128((__m128i *)(dst + i + 48), d);
     }
-    for (; i + 16 <= n; i += 16)
-        _mm_stream_si128((__m128i *)(dst + i), _mm_loadu_si128((const __m128i *)(src + i)));
     if (i < n) memcpy(dst + i, src + i, n - i);
     return 1;
 #else
