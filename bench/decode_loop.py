@@ -165,7 +165,13 @@ def jobs(ctx, contenders=None) -> int:
     """Measurement jobs :func:`run` reports to the progress bar (none without a GPU)."""
     if ctx.kind != "gpu":
         return 0
-    return 1 + sum(1 for c in devmod.ALL if contenders is None or c.name in contenders)
+    return len(_classes(contenders))
+
+
+def _classes(contenders=None) -> list:
+    """The contender classes :func:`run` measures, in order (the floor always)."""
+    classes = [NoCopies, *devmod.ALL, devmod.CucopyGraphFeed]
+    return [c for c in classes if contenders is None or c.name in contenders or c is NoCopies]
 
 
 def run(
@@ -209,8 +215,7 @@ def run(
     if ctx.kind != "gpu":
         out["notes"].append("needs a GPU: nothing measured on the simulated device")
         return out
-    classes = [NoCopies, *devmod.ALL, devmod.CucopyGraphFeed]
-    classes = [c for c in classes if contenders is None or c.name in contenders or c is NoCopies]
+    classes = _classes(contenders)
     progress = progress or common.Progress(enabled=False)
     progress.add(jobs(ctx, contenders))
     try:

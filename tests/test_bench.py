@@ -307,6 +307,21 @@ def test_planned_jobs_match_what_the_scenarios_report():
         ctx.close()
 
 
+def test_decode_loop_counts_every_contender_it_measures_on_a_gpu():
+    # on the simulated device decode_loop measures nothing; on a GPU it advances the
+    # progress bar once per class it runs: the floor, every contender and the graph feed
+    # (the bar once ended at [100/99], the graph feed left out of the count)
+    from types import SimpleNamespace
+
+    from bench import _device as devmod
+    from bench import decode_loop
+
+    gpu = SimpleNamespace(kind="gpu")
+    assert decode_loop.jobs(gpu) == len(devmod.ALL) + 2
+    assert decode_loop.jobs(gpu, ["cucopy_auto", "cucopy_graph"]) == 3
+    assert decode_loop.jobs(SimpleNamespace(kind="sim")) == 0
+
+
 def test_host_ratio_reports_both_staging_paths(tmp_path):
     # bench/host_ratio.py: the CI machine's figure of merit, a copy's host cost as a
     # multiple of an empty call, for the compiled twin and for the pure-Python one
