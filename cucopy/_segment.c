@@ -3457,6 +3457,18 @@ static PyObject *copiercore_take_counts(CopierCore *c, PyObject *unused) {
 }
 
 static PyObject *copiercore_flush_fast(CopierCore *c, PyObject *unused) {
+    /* nothing staged and no event owed (a step whose every copy was skipped as
+     * unchanged): flush()'s body would return at once, so return here, without its frame */
+    if (c->closed == Py_False && c->seg && Py_TYPE(c->seg) == &SegmentType &&
+        c->checker == Py_None && !PyList_GET_SIZE(((Segment *)c->seg)->entries) && c->ring &&
+        PyObject_TypeCheck(c->ring, &RingCoreType) &&
+        step_is_callers(c, PyThread_get_thread_ident())) {
+        PyObject *cur = ((RingCore *)c->ring)->current;
+        if (!cur || cur == Py_None ||
+            (PyObject_TypeCheck(cur, &SlotCoreType) && ((SlotCore *)cur)->dirty == Py_False))
+            Py_RETURN_TRUE;
+        Py_RETURN_FALSE;
+    }
     if (c->closed != Py_False || !c->seg || Py_TYPE(c->seg) != &SegmentType ||
         c->checker != Py_None || !c->launcher || !PyCapsule_CheckExact(c->launcher) ||
         !c->handle || !c->carry_max || !c->flush_mode || !PyUnicode_Check(c->flush_mode) ||

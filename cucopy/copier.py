@@ -252,7 +252,8 @@ class PyCopierCore:
         Returns
         -------
         True, False or tuple
-            True: landed. False: run :meth:`DeviceCopier.flush`'s body (nothing was
+            True: landed, or nothing staged and no slot event owed (the body would
+            return at once). False: run :meth:`DeviceCopier.flush`'s body (nothing was
             changed, or the segment landed and the slot still needs its event
             recorded). A tuple: the segment is cut but could not be launched carried
             whole; ``_flush_segment(cut)`` lands it. This reference always returns
@@ -366,7 +367,9 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
         self._stream_obj = stream  # keeps a user's stream object alive
         self._stream = self._backend.resolve_stream(stream)
         self._handle = self._stream if isinstance(self._stream, int) else None
-        self.flush_mode = flush_mode
+        # the tuple's own (interned) string: the compiled flush and begin compare the
+        # mode by identity first (a mode read from a config file is another object)
+        self.flush_mode = FLUSH_MODES[FLUSH_MODES.index(flush_mode)]
         self._mapped_max = self._backend.mapped_threshold()
         # The largest carry a launch takes. Asked here, not at the first flush: the
         # CUDA backend builds and loads its kernels to answer, and loading a kernel

@@ -2,6 +2,7 @@
 
 Usage:
     python bench/probes/instr_step.py [--n 8,32,128] [--annotate 25]   # runs valgrind
+    python bench/probes/instr_step.py --n 32 --skip   # steps of 32 unchanged buffer updates
     python bench/probes/instr_step.py --inner --n 32 --steps 520      # what valgrind runs
 
 Question: did a change to the compiled staging core make a step cheaper? Wall time on
@@ -124,9 +125,26 @@ def _copier(n: int, lib: Path, graphs: bool = True, mode: str = "auto"):
     return c, site.x, pairs, drv
 
 
-def inner(n: int, steps: int, lib: Path, graphs: bool = True, mode: str = "auto") -> None:
-    """Run ``steps`` merged steps of N copies (what valgrind measures)."""
+def inner(
+    n: int, steps: int, lib: Path, graphs: bool = True, mode: str = "auto", skip: bool = False
+) -> None:
+    """Run ``steps`` merged steps of N copies (what valgrind measures).
+
+    With ``skip``, each step is N ``DeviceCopyBuffer.update`` calls of values the buffers
+    already hold (``bench/skip_unchanged.py``'s unchanged step), the first step uploading.
+    """
+    import cucopy as cc
+
     c, site, pairs, _ = _copier(n, lib, graphs, mode)
+    if skip:
+        bufs = [(cc.DeviceCopyBuffer(d, site=site), v) for d, v in pairs]
+        for _ in range(steps):
+            with c.activate(), c.step():
+                for b, v in bufs:
+                    b.update(v)
+        assert c.stats.steps == steps, (c.stats.steps, steps)
+        print(f"inner: N={n} steps={steps} skipped={c.stats.sites[site].skipped}")
+        return
     copy = c.copy
     for _ in range(steps):
         with c.step():
@@ -137,7 +155,9 @@ def inner(n: int, steps: int, lib: Path, graphs: bool = True, mode: str = "auto"
     print(f"inner: N={n} steps={steps} modes={modes}")
 
 
-def _count(n: int, steps: int, lib: Path, out: Path, graphs: bool = True, mode="auto") -> int:
+def _count(
+    n: int, steps: int, lib: Path, out: Path, graphs: bool = True, mode="auto", skip=False
+) -> int:
     # one BLAS thread: OpenBLAS's idle workers spin a varying number of instructions
     env = dict(os.environ, PYTHONHASHSEED="0", OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
     cmd = [
@@ -156,6 +176,7 @@ def _count(n: int, steps: int, lib: Path, out: Path, graphs: bool = True, mode="
         *([] if graphs else ["--no-graphs"]),
         "--mode",
         mode,
+        *(["--skip"] if skip else []),
     ]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if r.returncode != 0:
@@ -197,19 +218,23 @@ def main(argv=None) -> int:
         "--no-graphs", action="store_true", help="no graphed launches (the carried ones)"
     )
     ap.add_argument("--mode", default="auto", help="the copier's flush_mode (mapped: graphed)")
+    ap.add_argument(
+        "--skip", action="store_true", help="steps of N unchanged DeviceCopyBuffer updates"
+    )
     args = ap.parse_args(argv)
     if args.inner:
-        inner(args.n[0], args.steps, args.lib, not args.no_graphs, args.mode)
+        inner(args.n[0], args.steps, args.lib, not args.no_graphs, args.mode, args.skip)
         return 0
     with tempfile.TemporaryDirectory() as tmp:
         where = Path(tmp)
         lib = _noop_lib(where)
         for n in args.n:
             g = not args.no_graphs
-            short = _count(n, SHORT, lib, where / f"short-{n}.out", g, args.mode)
-            long_ = _count(n, LONG, lib, where / f"long-{n}.out", g, args.mode)
+            short = _count(n, SHORT, lib, where / f"short-{n}.out", g, args.mode, args.skip)
+            long_ = _count(n, LONG, lib, where / f"long-{n}.out", g, args.mode, args.skip)
             per = (long_ - short) / (LONG - SHORT)
-            print(f"N={n:4d}: {per:10.0f} instructions a step, {per / n:8.0f} a copy")
+            each = f"{per / n:8.0f} a copy" if n else "(an empty step)"
+            print(f"N={n:4d}: {per:10.0f} instructions a step, {each}")
             if args.annotate:
                 a = _by_function(where / f"short-{n}.out")
                 b = _by_function(where / f"long-{n}.out")
