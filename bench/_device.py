@@ -435,7 +435,9 @@ CucopyInline = _cucopy(
     "inline",
     "merged: one scatter carrying the whole segment in its parameters (up to 32 KiB)",
 )
-CucopyAuto = _cucopy("cucopy_auto", PLAN, "auto", "merged: inline, mapped or dma by segment size")
+CucopyAuto = _cucopy(
+    "cucopy_auto", PLAN, "auto", "merged: graphed, inline, mapped or dma by segment size"
+)
 
 
 class CucopyAutoPinned(CucopyAuto):
