@@ -683,7 +683,7 @@ typedef struct {
     unsigned long owner; /* the thread whose step is open */
     int64_t top, bottom, cursor, seg, data0, reserve, size;
     int64_t peak; /* the largest table cut since the copier last read it */
-    /* streaming stores (a cache hint, see stage_bytes): data staged at or past this many
+    /* streaming stores (a cache hint, see stage_nt): data staged at or past this many
      * bytes into the open segment bypasses the host's caches (-1: never) */
     int64_t nt_from;
     int nt_used; /* streaming stores since the last cut (an sfence owed before a launch) */
