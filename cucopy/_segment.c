@@ -3419,27 +3419,35 @@ static PyObject *copiercore_begin_fast(CopierCore *c, PyObject *unused) {
 static PyObject *s_inline, *s_mapped, *s_auto, *s_dma;
 static int nt_off; /* CUCOPY_NO_NT set at import: no streaming stores */
 
+/* The copier's flush mode: one of the interned literals unless set from another
+ * string (then compared character by character). */
+enum { MODE_OTHER, MODE_AUTO, MODE_INLINE, MODE_MAPPED, MODE_DMA };
+static int flush_mode_kind(PyObject *fm) {
+    if (fm == s_auto) return MODE_AUTO;
+    if (fm == s_inline) return MODE_INLINE;
+    if (fm == s_mapped) return MODE_MAPPED;
+    if (fm == s_dma) return MODE_DMA;
+    if (!fm || !PyUnicode_Check(fm)) return MODE_OTHER;
+    if (!PyUnicode_CompareWithASCIIString(fm, "auto")) return MODE_AUTO;
+    if (!PyUnicode_CompareWithASCIIString(fm, "inline")) return MODE_INLINE;
+    if (!PyUnicode_CompareWithASCIIString(fm, "mapped")) return MODE_MAPPED;
+    if (!PyUnicode_CompareWithASCIIString(fm, "dma")) return MODE_DMA;
+    return MODE_OTHER;
+}
+
 /* DeviceCopier._nt_from: where the step's segments start staging with streaming stores.
  * mapped and dma: the GPU reads all of a segment; auto and inline: what lies past the
  * largest carry (the rest may travel in a launch, which the driver copies on the host). */
 static int64_t nt_from_for(CopierCore *c) {
-    PyObject *fm = c->flush_mode;
-    if (nt_off || !fm || !PyUnicode_Check(fm)) return -1;
-    if (fm == s_mapped || fm == s_dma) return 0;
+    if (nt_off) return -1;
+    int kind = flush_mode_kind(c->flush_mode);
+    if (kind == MODE_MAPPED || kind == MODE_DMA) return 0;
     long long cm;
-    if (fm == s_auto || fm == s_inline) {
-        if (!c->carry_max || !int_field(c->carry_max, &cm)) { PyErr_Clear(); return -1; }
-        return cm;
+    if (kind == MODE_OTHER || !c->carry_max || !int_field(c->carry_max, &cm)) {
+        PyErr_Clear();
+        return -1;
     }
-    if (!PyUnicode_CompareWithASCIIString(fm, "mapped") ||
-        !PyUnicode_CompareWithASCIIString(fm, "dma"))
-        return 0;
-    if (!PyUnicode_CompareWithASCIIString(fm, "auto") ||
-        !PyUnicode_CompareWithASCIIString(fm, "inline")) {
-        if (!c->carry_max || !int_field(c->carry_max, &cm)) { PyErr_Clear(); return -1; }
-        return cm;
-    }
-    return -1;
+    return cm;
 }
 
 static void count_segment(CopierCore *c, PyObject *how, int64_t total) {
@@ -3457,40 +3465,32 @@ static PyObject *copiercore_take_counts(CopierCore *c, PyObject *unused) {
 }
 
 static PyObject *copiercore_flush_fast(CopierCore *c, PyObject *unused) {
-    /* nothing staged and no event owed (a step whose every copy was skipped as
-     * unchanged): flush()'s body would return at once, so return here, without its frame */
-    if (c->closed == Py_False && c->seg && Py_TYPE(c->seg) == &SegmentType &&
-        c->checker == Py_None && !PyList_GET_SIZE(((Segment *)c->seg)->entries) && c->ring &&
-        PyObject_TypeCheck(c->ring, &RingCoreType) &&
-        step_is_callers(c, PyThread_get_thread_ident())) {
-        PyObject *cur = ((RingCore *)c->ring)->current;
+    if (c->closed != Py_False || !c->seg || Py_TYPE(c->seg) != &SegmentType ||
+        c->checker != Py_None || !c->ring || !PyObject_TypeCheck(c->ring, &RingCoreType) ||
+        !step_is_callers(c, PyThread_get_thread_ident()))
+        Py_RETURN_FALSE;
+    Segment *seg = (Segment *)c->seg;
+    RingCore *ring = (RingCore *)c->ring;
+    if (!PyList_GET_SIZE(seg->entries)) {
+        /* nothing staged and no event owed (a step whose every copy was skipped as
+         * unchanged): flush()'s body would return at once, so return here */
+        PyObject *cur = ring->current;
         if (!cur || cur == Py_None ||
             (PyObject_TypeCheck(cur, &SlotCoreType) && ((SlotCore *)cur)->dirty == Py_False))
             Py_RETURN_TRUE;
         Py_RETURN_FALSE;
     }
-    if (c->closed != Py_False || !c->seg || Py_TYPE(c->seg) != &SegmentType ||
-        c->checker != Py_None || !c->launcher || !PyCapsule_CheckExact(c->launcher) ||
-        !c->handle || !c->carry_max || !c->flush_mode || !PyUnicode_Check(c->flush_mode) ||
-        !c->slot || !PyObject_TypeCheck(c->slot, &SlotCoreType) || !c->ring ||
-        !PyObject_TypeCheck(c->ring, &RingCoreType) || !c->stats)
+    if (!c->launcher || !PyCapsule_CheckExact(c->launcher) || !c->handle || !c->carry_max ||
+        !c->slot || !PyObject_TypeCheck(c->slot, &SlotCoreType) || !c->stats)
         Py_RETURN_FALSE;
-    /* carried whole when it fits (inline, auto); else read mapped (mapped, auto); the
-     * mode is one of the interned literals unless set from another string */
-    PyObject *fm = c->flush_mode;
-    int carries = fm == s_auto || fm == s_inline ||
-                  (fm != s_mapped && (!PyUnicode_CompareWithASCIIString(fm, "inline") ||
-                                      !PyUnicode_CompareWithASCIIString(fm, "auto")));
-    int mapped_only = !carries && (fm == s_mapped || !PyUnicode_CompareWithASCIIString(fm, "mapped"));
-    int is_auto = carries && (fm == s_auto ||
-                              (fm != s_inline && !PyUnicode_CompareWithASCIIString(fm, "auto")));
+    /* carried whole when it fits (inline, auto); else read mapped (mapped, auto) */
+    int kind = flush_mode_kind(c->flush_mode);
+    int carries = kind == MODE_AUTO || kind == MODE_INLINE;
+    int mapped_only = kind == MODE_MAPPED;
+    int is_auto = kind == MODE_AUTO;
     if (!carries && !mapped_only) Py_RETURN_FALSE;
-    if (!step_is_callers(c, PyThread_get_thread_ident())) Py_RETURN_FALSE;
-    Segment *seg = (Segment *)c->seg;
     SlotCore *slot = (SlotCore *)c->slot;
-    RingCore *ring = (RingCore *)c->ring;
-    if (!PyList_GET_SIZE(seg->entries) || !seg->bound || seg->slot != c->slot || !slot->base)
-        Py_RETURN_FALSE;
+    if (!seg->bound || seg->slot != c->slot || !slot->base) Py_RETURN_FALSE;
     CarriedLauncher *L = PyCapsule_GetPointer(c->launcher, LAUNCHER_NAME);
     unsigned long long stream, dev;
     long long inline_max;
@@ -3811,7 +3811,7 @@ PyMODINIT_FUNC PyInit__segment(void) {
         const char *e = getenv("CUCOPY_NO_NT");
         nt_off = e && *e && strcmp(e, "0") != 0;
     }
-    if (!s_inline || !s_mapped || !s_auto) return NULL;
+    if (!s_inline || !s_mapped || !s_auto || !s_dma) return NULL;
     s_check_mode = PyUnicode_InternFromString("CHECK_MODE");
     if (!s_check_mode) return NULL;
     s_backend = PyUnicode_InternFromString("backend");

@@ -227,8 +227,8 @@ assert FEED_HEAD_BYTES == 32, "internal: feed entry head size changed"
 # host time of cuLaunchKernel: bench/results/2026-12-02-h200-probes-session11). Its
 # kernel reads the first GRAPH_CAPACITY bytes at that address into shared memory in one
 # round, so a segment of at most that many bytes is read from mapped memory at once.
-# The copier launches "mapped" segments this way ("auto" carries small ones instead:
-# less GPU time, more host time).
+# The copier launches "mapped" and "auto" segments this way ("inline" carries small
+# ones instead: less GPU time, more host time).
 # The host must leave all GRAPH_CAPACITY bytes readable and unwritten until the
 # launch's event completes (the copier moves the slot's next segment past them).
 GRAPH_CAPACITY = 8192

@@ -249,9 +249,9 @@ class Backend:
 
         A graphed scatter is a mapped launch through a one-node graph made once per
         segment address and launched as made, which costs the host less than a kernel
-        launch. The copier uses it for ``flush_mode="mapped"`` segments of at most this
-        many bytes, and keeps all of them readable and unwritten until the launch's
-        event completes.
+        launch. The copier uses it for ``flush_mode="mapped"`` and ``"auto"`` segments of
+        at most this many bytes, and keeps all of them readable and unwritten until the
+        launch's event completes.
         """
         return 0
 
