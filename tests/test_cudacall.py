@@ -681,6 +681,17 @@ def test_the_compiled_begin_and_flush_ask_the_capture_status_through_the_launche
     c.close()
 
 
+def _steps_of_eight(c, Site, dev, steps: int) -> None:
+    """``steps`` steps each staging 8 int32 (all ``k`` at step ``k``) into one fresh
+    destination through site A of a landing copier, each checked landed."""
+    a = dev.zeros((8,), np.int32)
+    for k in range(steps):
+        with c.step():
+            c.copy(Site.A, a, np.full(8, k, np.int32))
+        dev.synchronize()
+        assert dev.to_host(a).tolist() == [k] * 8
+
+
 @needs_both
 def test_compiled_flushes_take_slot_addresses_past_2_63(monkeypatch):
     # the simulated device's addresses pass 2**63 from its 127th device on (CUDA's do
@@ -692,12 +703,7 @@ def test_compiled_flushes_take_slot_addresses_past_2_63(monkeypatch):
 
     monkeypatch.setattr(sim_mod, "_device_ids", itertools.count(150))
     c, Site, dev, fake, problems = _landing_copier("inline")
-    a = dev.zeros((8,), np.int32)
-    for k in range(6):
-        with c.step():
-            c.copy(Site.A, a, np.full(8, k, np.int32))
-        dev.synchronize()
-        assert dev.to_host(a).tolist() == [k] * 8
+    _steps_of_eight(c, Site, dev, 6)
     assert c._slot.base >= 1 << 63 and problems == []
     compiled = copier_mod._CopierCore is not copier_mod.PyCopierCore
     assert c._fast_flushes == (6 if compiled else 0)
@@ -1175,12 +1181,7 @@ def test_a_graph_that_does_not_launch_leaves_the_segment_to_a_plain_mapped_launc
         assert graphed(_launcher_struct(c._launcher).drv, 77, 0xF0000000 + 0x10000 * i) == 0
     fake.graph_launches.clear()
     problems.clear()  # those addresses are not the sim's: their landing failed
-    a = dev.zeros((8,), np.int32)
-    for k in range(3):
-        with c.step():
-            c.copy(Site.A, a, np.full(8, k, np.int32))
-        dev.synchronize()
-        assert dev.to_host(a).tolist() == [k] * 8
+    _steps_of_eight(c, Site, dev, 3)
     assert fake.graph_launches == [] and problems == []
     assert c.stats.modes["mapped"] == 3  # the sim's scatter_graphed, mapped all the same
     c.close()
