@@ -174,8 +174,10 @@ static int ranges_overlaps(const Ranges *r, addr_t lo, addr_t hi) {
 }
 
 static void ranges_insert(Ranges *r, Py_ssize_t i, addr_t lo, addr_t hi) {
-    memmove(r->lo + i + 1, r->lo + i, (r->n - i) * sizeof(addr_t));
-    memmove(r->hi + i + 1, r->hi + i, (r->n - i) * sizeof(addr_t));
+    if (i < r->n) { /* (at the end, the usual case, nothing moves) */
+        memmove(r->lo + i + 1, r->lo + i, (r->n - i) * sizeof(addr_t));
+        memmove(r->hi + i + 1, r->hi + i, (r->n - i) * sizeof(addr_t));
+    }
     r->lo[i] = lo;
     r->hi[i] = hi;
     r->n++;
@@ -190,7 +192,9 @@ static void ranges_delete(Ranges *r, Py_ssize_t i, Py_ssize_t j) { /* drop [i, j
 /* 1 claimed, 0 overlaps (nothing changed), -1 error */
 static int ranges_claim(Ranges *r, addr_t lo, addr_t hi) {
     addr_t *los = r->lo, *his = r->hi;
-    Py_ssize_t n = r->n, i = bisect_right(los, n, lo);
+    /* bisect_right, which is n when lo is at or past the last range's start (copies in
+     * the order of their destinations' addresses: no search) */
+    Py_ssize_t n = r->n, i = n && lo < los[n - 1] ? bisect_right(los, n, lo) : n;
     if (i && his[i - 1] >= lo) {
         if (his[i - 1] > lo) return 0;
         if (i < n && los[i] <= hi) {
@@ -324,6 +328,19 @@ static PyTypeObject EntryType = {
     .tp_dealloc = cleared_dealloc,
     .tp_members = entry_members,
 };
+
+/* A fast-path copy's bookkeeping before anything asks for its Entry: the same fields
+ * in a C array, no object allocated (an Entry, its index int and its geometry tuple
+ * cost ~180 instructions a copy, a tenth of a step). The segment's entries are its
+ * `entries` list followed by these, in staging order; `materialize` turns them into
+ * Entry objects at the list's end when Python, or a slower path, reads the list. */
+typedef struct {
+    PyObject *site;    /* owned */
+    PyObject *on_drop; /* owned, or NULL (None) */
+    addr_t lo, hi, ptr;
+    int64_t rows, width, pitch;
+    Py_ssize_t index; /* its descriptor */
+} Raw;
 
 /* -- cached geometry (destinations and sources), validated by fingerprint ------ */
 
@@ -688,18 +705,77 @@ typedef struct {
     int64_t nt_from;
     int nt_used; /* streaming stores since the last cut (an sfence owed before a launch) */
     DescVec descs;
-    PyObject *entries; /* list of Entry */
+    PyObject *entries; /* list of Entry: the open segment's first entries (then raw's) */
     PyObject *spare;   /* an empty list kept with its capacity for the next segment, or NULL */
+    Raw *raw;          /* the entries after the list's, not yet objects (see Raw) */
+    Py_ssize_t nraw, rawcap;
+    int listed; /* Python holds the list this segment: fast copies append to it at once */
     Ranges writes, reads;
     PyObject *dcache, *scache; /* id -> Cached */
     PyObject *vtypes;          /* type -> view protocol (see view_geo) */
     Front dfront, sfront;      /* direct-mapped caches in front of dcache and scache */
 } Segment;
 
+/* drop the raw entries (a segment landed or reset: nothing reads them any more) */
+static void raw_drop(Segment *s) {
+    Py_ssize_t n = s->nraw;
+    s->nraw = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_DECREF(s->raw[i].site);
+        Py_XDECREF(s->raw[i].on_drop);
+    }
+}
+
+static int raw_reserve(Segment *s, Py_ssize_t n) {
+    if (n <= s->rawcap) return 0;
+    Py_ssize_t cap = s->rawcap ? s->rawcap : 64;
+    while (cap < n) cap *= 2;
+    Raw *v = PyMem_Realloc(s->raw, (size_t)cap * sizeof(Raw));
+    if (!v) { PyErr_NoMemory(); return -1; }
+    s->raw = v;
+    s->rawcap = cap;
+    return 0;
+}
+
+/* entries staged, objects or not */
+static inline Py_ssize_t nstaged(const Segment *s) {
+    return PyList_GET_SIZE(s->entries) + s->nraw;
+}
+
+static Entry *entry_new(PyObject *site, PyObject *on_drop, addr_t lo, addr_t hi,
+                        PyObject *index);
+
+/* The raw entries as Entry objects at the list's end, in order. On an error (out of
+ * memory) those not yet made stay raw, in order, and -1 is returned. */
+static int materialize(Segment *s) {
+    Py_ssize_t i = 0, n = s->nraw;
+    int err = 0;
+    for (; i < n; i++) {
+        Raw *r = &s->raw[i];
+        PyObject *index = PyLong_FromSsize_t(r->index);
+        if (!index) { err = 1; break; }
+        PyObject *geom = Py_BuildValue("(KLLL)", (unsigned long long)r->ptr, (long long)r->rows,
+                                       (long long)r->width, (long long)r->pitch);
+        if (!geom) { Py_DECREF(index); err = 1; break; }
+        Entry *e = entry_new(r->site, r->on_drop ? r->on_drop : Py_None, r->lo, r->hi, index);
+        if (!e) { Py_DECREF(geom); err = 1; break; }
+        Py_SETREF(e->geom, geom);
+        int a = PyList_Append(s->entries, (PyObject *)e);
+        Py_DECREF(e);
+        if (a < 0) { err = 1; break; }
+        Py_DECREF(r->site);
+        Py_XDECREF(r->on_drop);
+    }
+    if (i && i < n) memmove(s->raw, s->raw + i, (size_t)(n - i) * sizeof(Raw));
+    s->nraw = n - i;
+    return err ? -1 : 0;
+}
+
 static int seg_traverse(Segment *s, visitproc visit, void *arg) {
     Py_VISIT(s->merge); Py_VISIT(s->barriers); Py_VISIT(s->fills); Py_VISIT(s->slot);
     for (Py_ssize_t i = 0; i < s->ccap; i++) Py_VISIT(s->ckeys[i]);
     Py_VISIT(s->entries); Py_VISIT(s->spare);
+    for (Py_ssize_t i = 0; i < s->nraw; i++) { Py_VISIT(s->raw[i].site); Py_VISIT(s->raw[i].on_drop); }
     Py_VISIT(s->dcache); Py_VISIT(s->scache); Py_VISIT(s->vtypes);
     return 0; /* the fronts hold Cached entries only: they reference nothing back */
 }
@@ -717,6 +793,7 @@ static int seg_clear(Segment *s) {
     Py_CLEAR(s->merge); Py_CLEAR(s->barriers); Py_CLEAR(s->fills);
     for (Py_ssize_t i = 0; i < s->ccap; i++) Py_CLEAR(s->ckeys[i]);
     Py_CLEAR(s->entries); Py_CLEAR(s->spare);
+    raw_drop(s);
     Py_CLEAR(s->dcache); Py_CLEAR(s->scache); Py_CLEAR(s->vtypes);
     front_clear(&s->dfront);
     front_clear(&s->sfront);
@@ -727,6 +804,7 @@ static void seg_dealloc(Segment *s) {
     PyObject_GC_UnTrack(s);
     seg_clear(s);
     PyMem_Free(s->descs.v);
+    PyMem_Free(s->raw);
     PyMem_Free(s->ckeys);
     PyMem_Free(s->cvals);
     PyMem_Free(s->cflags);
@@ -802,6 +880,8 @@ static int seg_init(Segment *s, PyObject *args, PyObject *kw) {
     Py_XSETREF(s->barriers, Py_NewRef(barriers));
     if (s->cflags) memset(s->cflags, 0, (size_t)s->ccap); /* another plan: asked again */
     Py_XSETREF(s->entries, PyList_New(0));
+    raw_drop(s);
+    s->listed = 0;
     Py_XSETREF(s->dcache, PyDict_New());
     Py_XSETREF(s->scache, PyDict_New());
     front_clear(&s->dfront);
@@ -894,7 +974,7 @@ static PyObject *seg_take_top(Segment *s, PyObject *arg) {
     long long n = PyLong_AsLongLong(arg);
     if (n == -1 && PyErr_Occurred()) return NULL;
     int64_t top = (s->top - n) & -(int64_t)ALIGN;
-    int64_t tail = PyList_GET_SIZE(s->entries) ? reserve_tail(s) : 0;
+    int64_t tail = nstaged(s) ? reserve_tail(s) : 0;
     if (top >= max64(s->cursor, s->bottom) + tail) {
         PyObject *v = PyLong_FromLongLong(top);
         if (!v || PyObject_SetAttr(s->slot, s_top, v) < 0) { Py_XDECREF(v); return NULL; }
@@ -1023,43 +1103,47 @@ static PyObject *seg_forget(Segment *s, PyObject *unused) {
     Py_RETURN_NONE;
 }
 
-/* Stage bytes [data, data + nbytes) for destination geometry g into the open segment.
- * 1 staged, 0 not (nothing changed), -1 error. geom: the form tuple (borrowed). */
 static int append_raw_rows(Segment *s, PyObject *site, PyObject *on_drop, addr_t ptr,
                            int64_t rows, int64_t width, int64_t pitch, addr_t lo, addr_t hi,
-                           int64_t nbytes, int kind, const void *data, PyObject *geom,
-                           int64_t spitch);
+                           int64_t nbytes, int kind, const void *data, int64_t spitch);
 
 /* append_raw_rows with the source's rows packed (the usual case) */
 static int append_raw(Segment *s, PyObject *site, PyObject *on_drop, addr_t ptr, int64_t rows,
                       int64_t width, int64_t pitch, addr_t lo, addr_t hi, int64_t nbytes,
-                      int kind, const void *data, PyObject *geom) {
+                      int kind, const void *data) {
     return append_raw_rows(s, site, on_drop, ptr, rows, width, pitch, lo, hi, nbytes, kind, data,
-                           geom, 0);
+                           0);
 }
 
-/* spitch: bytes between the source's rows when they are not packed (a NumPy array's
+/* Stage one copy of rows x width bytes (the destination's geometry: ptr, pitch; its
+ * bytes [lo, hi)) from data: 1 staged, 0 not (no open segment, no room, an overlap:
+ * the caller's general path), -1 an error (nothing staged). Its entry is a Raw one.
+ * spitch: bytes between the source's rows when they are not packed (a NumPy array's
  * column slice, table[:, :n]: rows gathered into the slot), else 0 */
 static int append_raw_rows(Segment *s, PyObject *site, PyObject *on_drop, addr_t ptr,
                            int64_t rows, int64_t width, int64_t pitch, addr_t lo, addr_t hi,
-                           int64_t nbytes, int kind, const void *data, PyObject *geom,
-                           int64_t spitch) {
+                           int64_t nbytes, int kind, const void *data, int64_t spitch) {
     if (s->seg < 0) return 0;
     if (s->reads.n && ranges_overlaps(&s->reads, lo, hi)) return 0;
     int64_t off = (s->cursor + 15) & -16;
     int64_t grow = (int64_t)s->descs.n + 2 - s->reserve;
     if (off + nbytes + (grow > 0 ? grow * DESC_BYTES + 16 : 0) > s->top) return 0;
+    /* room first: nothing below can fail once the range is claimed */
+    if ((s->nraw == s->rawcap && raw_reserve(s, s->nraw + 1) < 0) ||
+        (s->descs.n == s->descs.cap && descs_reserve(&s->descs, s->descs.n + 1) < 0))
+        return -1;
     int r = ranges_claim(&s->writes, lo, hi);
     if (r <= 0) return r;
-    Desc d = {ptr, (uint64_t)off, 0, pitch, width, width, rows, kind, 0};
-    PyObject *index = PyLong_FromSsize_t(s->descs.n);
-    if (!index || descs_push(&s->descs, &d) < 0) goto undo;
-    Entry *e = entry_new(site, on_drop, lo, hi, index);
-    if (!e) { s->descs.n--; goto undo_claimed; }
-    Py_SETREF(e->geom, Py_NewRef(geom));
-    if (PyList_Append(s->entries, (PyObject *)e) < 0) { Py_DECREF(e); s->descs.n--;
-        goto undo_claimed; }
-    Py_DECREF(e);
+    Raw *e = &s->raw[s->nraw++];
+    e->site = Py_NewRef(site);
+    e->on_drop = on_drop == Py_None ? NULL : Py_NewRef(on_drop);
+    e->lo = lo; e->hi = hi; e->ptr = ptr;
+    e->rows = rows; e->width = width; e->pitch = pitch;
+    e->index = s->descs.n;
+    Desc *d = &s->descs.v[s->descs.n++];
+    d->dst = ptr; d->src = (uint64_t)off; d->value = 0;
+    d->dpitch = pitch; d->spitch = width; d->width = width; d->rows = rows;
+    d->kind = kind; d->elem = 0;
     int nt = s->nt_from >= 0 && off - s->seg >= s->nt_from;
     if (spitch && spitch != width && rows > 1) {
         for (int64_t i = 0; i < rows; i++) {
@@ -1075,17 +1159,10 @@ static int append_raw_rows(Segment *s, PyObject *site, PyObject *on_drop, addr_t
     }
     if (hi - lo > BLOCK_BYTES) s->wide = 1;
     s->cursor = off + nbytes;
+    /* Python holds this segment's list: the entry joins it now (on an error it stays
+     * raw, staged all the same, and the next read of the list makes it) */
+    if (s->listed && materialize(s) < 0) PyErr_Clear();
     return 1;
-undo:
-    Py_XDECREF(index);
-undo_claimed:
-    /* rebuild the write ranges without [lo, hi): rare (out of memory) */
-    s->writes.n = 0;
-    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(s->entries); i++) {
-        Entry *x = (Entry *)PyList_GET_ITEM(s->entries, i);
-        if (ranges_add(&s->writes, x->lo, x->hi) < 0) break;
-    }
-    return -1;
 }
 
 static PyObject *seg_append_h2d(Segment *s, PyObject *const *args, Py_ssize_t nargs) {
@@ -1114,7 +1191,7 @@ static PyObject *seg_append_h2d(Segment *s, PyObject *const *args, Py_ssize_t na
     int r = 0;
     if (b.len == v[2])
         r = append_raw(s, args[0], args[1], ptr, g[1], g[2], g[3], lo, hi, v[2], (int)v[3],
-                       b.buf, f);
+                       b.buf);
     PyBuffer_Release(&b);
     if (r < 0) return NULL;
     return PyBool_FromLong(r);
@@ -1131,7 +1208,6 @@ typedef struct {
     int ndim; /* the destination's shape (-1: unknown) */
     int64_t shape[MAXDIM];
     PyObject *dtype; /* borrowed from the cache entry */
-    PyObject *geom;  /* new reference */
 } Geo;
 
 /* The copier's shape rule, as far as the fast path follows it: a flat source (one
@@ -1256,9 +1332,7 @@ static int view_geo(Segment *s, PyObject *dst, PyObject *vspec, Geo *g) {
     g->kind = g->rows == 1 ? KIND_H2D : KIND_H2D_2D;
     g->dtype = b->dtype;
     g->itemsize = b->itemsize;
-    g->geom = Py_BuildValue("(KLLL)", (unsigned long long)ptr, (long long)g->rows,
-                            (long long)g->width, (long long)g->pitch);
-    ok = g->geom ? 1 : -1;
+    ok = 1;
 out:
     if (ok == 0) PyErr_Clear();
     Py_XDECREF(dt); Py_XDECREF(p); Py_XDECREF(shape); Py_XDECREF(strides);
@@ -1267,7 +1341,7 @@ out:
 }
 
 /* A cached destination's geometry (or a fresh view's, from its cached base):
- * 1 found (g->geom is a new reference), 0 not, -1 error. */
+ * 1 found, 0 not, -1 error. */
 static int dst_geo(Segment *s, PyObject *dst, Geo *gp) {
     Cached *c = (Cached *)front_get(&s->dfront, s->dcache, dst);
     int r;
@@ -1278,7 +1352,6 @@ static int dst_geo(Segment *s, PyObject *dst, Geo *gp) {
         gp->itemsize = c->itemsize;
         gp->ndim = c->ndim;
         if (c->ndim > 0) memcpy(gp->shape, c->shape, (size_t)c->ndim * sizeof(int64_t));
-        gp->geom = Py_NewRef(c->geom);
     } else {
         if (PyErr_Occurred()) return -1;
         /* a view made afresh (buf[:n]) of a cached buffer */
@@ -1297,20 +1370,21 @@ static int dst_geo(Segment *s, PyObject *dst, Geo *gp) {
 
 static void seg_open(Segment *s);
 
-/* try_h2d (skip = 0) and try_skip (skip = 1): the same checks; only try_h2d stages */
-static PyObject *h2d_fast(Segment *s, PyObject *site, PyObject *dst, PyObject *src,
-                          PyObject *on_drop, int skip) {
+/* try_h2d (skip = 0) and try_skip (skip = 1): the same checks; only try_h2d stages.
+ * MISS, STAGED or BARRIER, or -1 with an error set. */
+static int h2d_fast(Segment *s, PyObject *site, PyObject *dst, PyObject *src,
+                    PyObject *on_drop, int skip) {
     if (!s->fast || !s->bound || s->owner != PyThread_get_thread_ident() ||
         (on_drop != Py_None && !PyCallable_Check(on_drop)))
-        return PyLong_FromLong(MISS);
+        return MISS;
     int fl = site_flags(s, site);
     if (fl < 0 || !(fl & SITE_MERGE)) {
         if (fl < 0) PyErr_Clear();
-        return PyLong_FromLong(MISS);
+        return MISS;
     }
     Geo g;
     int r = dst_geo(s, dst, &g);
-    if (r <= 0) return r < 0 ? NULL : PyLong_FromLong(MISS);
+    if (r <= 0) return r < 0 ? -1 : MISS;
     r = 0;
     Py_INCREF(g.dtype);
     if (s->seg < 0) seg_open(s);
@@ -1323,7 +1397,7 @@ static PyObject *h2d_fast(Segment *s, PyObject *site, PyObject *dst, PyObject *s
             n * g.itemsize == g.nbytes && shape_fits(a->nd, a->dimensions, g.ndim, g.shape))
             r = skip ? 1
                      : append_raw(s, site, on_drop, g.ptr, g.rows, g.width, g.pitch, g.lo, g.hi,
-                                  g.nbytes, g.kind, a->data, g.geom);
+                                  g.nbytes, g.kind, a->data);
         else if (a->nd == 2 && g.kind == KIND_H2D_2D && a->dimensions[0] == g.rows &&
                  a->strides[1] == g.itemsize && a->dimensions[1] * g.itemsize == g.width &&
                  a->strides[0] >= g.width && n * g.itemsize == g.nbytes &&
@@ -1331,7 +1405,7 @@ static PyObject *h2d_fast(Segment *s, PyObject *site, PyObject *dst, PyObject *s
             /* rows of packed elements, not packed together (table[:, :n]): gathered */
             r = skip ? 1
                      : append_raw_rows(s, site, on_drop, g.ptr, g.rows, g.width, g.pitch, g.lo,
-                                       g.hi, g.nbytes, g.kind, a->data, g.geom, a->strides[0]);
+                                       g.hi, g.nbytes, g.kind, a->data, a->strides[0]);
     } else if ((PyObject *)Py_TYPE(src) == ndarray_type) {
         PyObject *dt = PyObject_GetAttr(src, s_dtype);
         if (!dt) { PyErr_Clear(); goto miss; }
@@ -1343,7 +1417,7 @@ static PyObject *h2d_fast(Segment *s, PyObject *site, PyObject *dst, PyObject *s
         if (b.len == g.nbytes && shape_fits(b.ndim, b.shape, g.ndim, g.shape))
             r = skip ? 1
                      : append_raw(s, site, on_drop, g.ptr, g.rows, g.width, g.pitch, g.lo, g.hi,
-                                  g.nbytes, g.kind, b.buf, g.geom);
+                                  g.nbytes, g.kind, b.buf);
         PyBuffer_Release(&b);
     } else {
         Cached *sc = (Cached *)front_get(&s->sfront, s->scache, src);
@@ -1358,24 +1432,21 @@ static PyObject *h2d_fast(Segment *s, PyObject *site, PyObject *dst, PyObject *s
             if (eq == 1 && skip) r = 1;
             else if (eq == 1)
                 r = append_raw(s, site, on_drop, g.ptr, g.rows, g.width, g.pitch, g.lo, g.hi,
-                               g.nbytes, g.kind, (const void *)(uintptr_t)sc->ptr, g.geom);
+                               g.nbytes, g.kind, (const void *)(uintptr_t)sc->ptr);
         }
         Py_DECREF(sc);
     }
     Py_DECREF(g.dtype);
-    Py_DECREF(g.geom);
-    if (r < 0) return NULL;
-    if (r == 0) return PyLong_FromLong(MISS);
-    if (skip) return PyLong_FromLong(STAGED);
-    return PyLong_FromLong(fl & SITE_BARRIER ? BARRIER : STAGED);
+    if (r < 0) return -1;
+    if (r == 0) return MISS;
+    if (skip) return STAGED;
+    return fl & SITE_BARRIER ? BARRIER : STAGED;
 miss:
     Py_DECREF(g.dtype);
-    Py_DECREF(g.geom);
-    return PyLong_FromLong(MISS);
+    return MISS;
 fail:
     Py_DECREF(g.dtype);
-    Py_DECREF(g.geom);
-    return NULL;
+    return -1;
 }
 
 static PyObject *seg_stage(Segment *s, PyObject *args);
@@ -1484,13 +1555,10 @@ static PyObject *seg_try_fill(Segment *s, PyObject *const *args, Py_ssize_t narg
     in = contains(s->barriers, site);
     if (in < 0) goto fail;
     out = PyLong_FromLong(in ? BARRIER : STAGED);
-    Py_DECREF(g.geom);
     return out;
 miss:
-    Py_DECREF(g.geom);
     return PyLong_FromLong(MISS);
 fail:
-    Py_DECREF(g.geom);
     return NULL;
 }
 
@@ -1500,7 +1568,8 @@ static PyObject *seg_try_h2d(Segment *s, PyObject *const *args, Py_ssize_t nargs
         PyErr_SetString(PyExc_TypeError, "try_h2d(site, dst, src, on_drop)");
         return NULL;
     }
-    return h2d_fast(s, args[0], args[1], args[2], args[3], 0);
+    int code = h2d_fast(s, args[0], args[1], args[2], args[3], 0);
+    return code < 0 ? NULL : PyLong_FromLong(code);
 }
 
 static PyObject *seg_try_skip(Segment *s, PyObject *const *args, Py_ssize_t nargs) {
@@ -1509,7 +1578,8 @@ static PyObject *seg_try_skip(Segment *s, PyObject *const *args, Py_ssize_t narg
         PyErr_SetString(PyExc_TypeError, "try_skip(site, dst, src)");
         return NULL;
     }
-    return h2d_fast(s, args[0], args[1], args[2], Py_None, 1);
+    int code = h2d_fast(s, args[0], args[1], args[2], Py_None, 1);
+    return code < 0 ? NULL : PyLong_FromLong(code);
 }
 
 static void seg_open(Segment *s) {
@@ -1551,6 +1621,8 @@ static PyObject *seg_stage(Segment *s, PyObject *args) {
         if (parse_desc(descs, &one) < 0) return NULL;
         if (h2d) one.src = (uint64_t)off;
     }
+    /* entries are read (an overlap) or one is appended after the raw ones: all objects */
+    if (s->nraw && materialize(s) < 0) return NULL;
     Py_ssize_t nentries = PyList_GET_SIZE(s->entries);
     if (nentries &&
         (ranges_overlaps(&s->writes, lo, hi) || ranges_overlaps(&s->reads, lo, hi))) {
@@ -1631,7 +1703,7 @@ static PyObject *seg_overlaps(Segment *s, PyObject *args) {
     unsigned long long lo, hi;
     int reads = 1;
     if (!PyArg_ParseTuple(args, "KK|p", &lo, &hi, &reads)) return NULL;
-    if (!PyList_GET_SIZE(s->entries)) Py_RETURN_FALSE;
+    if (!nstaged(s)) Py_RETURN_FALSE;
     return PyBool_FromLong(ranges_overlaps(&s->writes, lo, hi) ||
                            (reads && ranges_overlaps(&s->reads, lo, hi)));
 }
@@ -1656,23 +1728,29 @@ static int64_t desc_blocks(const Desc *d) {
 }
 
 /* pack.split: out receives the cut descriptors; returns 1 when anything was cut */
+/* append in[from, to) to out whole (descriptors split leaves as they are) */
+static int descs_extend(DescVec *out, const Desc *in, Py_ssize_t from, Py_ssize_t to) {
+    if (to <= from) return 0;
+    if (descs_reserve(out, out->n + (to - from)) < 0) return -1;
+    memcpy(out->v + out->n, in + from, (size_t)(to - from) * sizeof(Desc));
+    out->n += to - from;
+    return 0;
+}
+
 static int split(const Desc *in, Py_ssize_t n, DescVec *out) {
     int cut = 0;
     out->n = 0;
+    Py_ssize_t run = 0; /* in[run, i): whole, not yet appended */
     for (Py_ssize_t i = 0; i < n; i++) {
         Desc d = in[i];
         int64_t per_row = (d.width + 15) >> 4;
         int64_t windows = d.rows == 1 ? per_row : d.rows * (per_row + 1);
-        if (windows <= WINDOWS_PER_BLOCK || d.width == 0 || d.rows == 0) {
-            if (descs_push(out, &d) < 0) return -1;
-            continue;
-        }
+        if (windows <= WINDOWS_PER_BLOCK || d.width == 0 || d.rows == 0) continue;
         cut = 1;
         int fill = d.kind == KIND_FILL;
-        if (fill && d.elem != 1 && d.elem != 2 && d.elem != 4 && d.elem != 8) {
-            if (descs_push(out, &d) < 0) return -1;
-            continue;
-        }
+        if (fill && d.elem != 1 && d.elem != 2 && d.elem != 4 && d.elem != 8) continue;
+        if (descs_extend(out, in, run, i) < 0) return -1;
+        run = i + 1;
         int64_t width = d.width, rows = d.rows;
         if (rows > 1 && d.dpitch == width && (fill || d.spitch == width) &&
             !(fill && width % d.elem)) {
@@ -1710,6 +1788,7 @@ static int split(const Desc *in, Py_ssize_t n, DescVec *out) {
             } while (!whole_cols && c < width);
         }
     }
+    if (descs_extend(out, in, run, n) < 0) return -1;
     return cut;
 }
 
@@ -1988,6 +2067,7 @@ static PyObject *seg_fold(Segment *s, PyObject *unused) {
 }
 
 static void seg_reset_state(Segment *s) {
+    s->listed = 0;
     s->wide = 0;
     s->descs.n = 0;
     s->writes.n = 0;
@@ -2009,7 +2089,8 @@ static PyObject *seg_finish(Segment *s, PyObject *unused) {
     s->spare = NULL;
     s->entries = fresh;
     seg_reset_state(s);
-    /* count runs of one site at a time (a step's sites repeat in order) */
+    /* count runs of one site at a time (a step's sites repeat in order): the list's
+     * entries, then the raw ones */
     int err = 0;
     for (Py_ssize_t i = 0; i < n && !err;) {
         PyObject *site = ((Entry *)PyList_GET_ITEM(entries, i))->site;
@@ -2018,6 +2099,14 @@ static PyObject *seg_finish(Segment *s, PyObject *unused) {
         err = count_merged(s, site, j - i) < 0;
         i = j;
     }
+    for (Py_ssize_t i = 0, m = s->nraw; i < m && !err;) {
+        PyObject *site = s->raw[i].site;
+        Py_ssize_t j = i + 1;
+        while (j < m && s->raw[j].site == site) j++;
+        err = count_merged(s, site, j - i) < 0;
+        i = j;
+    }
+    raw_drop(s);
     if (Py_REFCNT(entries) == 1 && PyList_CheckExact(entries)) {
         /* the list is ours alone: recycle what only it holds, and keep the list, emptied
          * with its capacity, for the next segment (no regrowing it copy by copy) */
@@ -2037,6 +2126,7 @@ static PyObject *seg_finish(Segment *s, PyObject *unused) {
 }
 
 static PyObject *seg_reset(Segment *s, PyObject *unused) {
+    if (s->nraw && materialize(s) < 0) return NULL;
     PyObject *entries = s->entries;
     PyObject *fresh = PyList_New(0);
     if (!fresh) return NULL;
@@ -2046,10 +2136,16 @@ static PyObject *seg_reset(Segment *s, PyObject *unused) {
 }
 
 static PyObject *seg_get_staged(Segment *s, void *c) {
-    return PyLong_FromSsize_t(PyList_GET_SIZE(s->entries));
+    return PyLong_FromSsize_t(nstaged(s));
 }
 
-static PyObject *seg_get_entries(Segment *s, void *c) { return Py_NewRef(s->entries); }
+static PyObject *seg_get_entries(Segment *s, void *c) {
+    /* the caller may keep the list while the segment stays open: from here on until the
+     * segment lands, fast copies append to it too (as the Python twin's list) */
+    if (s->nraw && materialize(s) < 0) return NULL;
+    s->listed = 1;
+    return Py_NewRef(s->entries);
+}
 static PyObject *seg_get_slot(Segment *s, void *c) { return Py_NewRef(s->slot ? s->slot : Py_None); }
 static PyObject *seg_get_seg(Segment *s, void *c) { return PyLong_FromLongLong(s->seg); }
 static PyObject *seg_get_cursor(Segment *s, void *c) { return PyLong_FromLongLong(s->cursor); }
@@ -2198,11 +2294,9 @@ static PyObject *fastcopy_call(FastCopy *f, PyObject *const *args, size_t nargsf
     else seg = PyObject_GetAttr(self, s_seg);
     if (!seg) return NULL;
     if (Py_TYPE(seg) != &SegmentType) { Py_DECREF(seg); goto full; }
-    PyObject *r = h2d_fast((Segment *)seg, args[1], args[2], args[3], on_drop, 0);
+    int code = h2d_fast((Segment *)seg, args[1], args[2], args[3], on_drop, 0);
     Py_DECREF(seg);
-    if (!r) return NULL;
-    long code = PyLong_AsLong(r);
-    Py_DECREF(r);
+    if (code < 0) return NULL;
     if (code == STAGED) Py_RETURN_TRUE;
     if (code == BARRIER) {
         PyObject *x = PyObject_CallMethodOneArg(self, s_after_barrier, args[1]);
@@ -2672,11 +2766,9 @@ static PyObject *fastupdate_call(FastUpdate *f, PyObject *const *args, size_t na
     PyObject *drop = PyObject_GetAttr(self, s_invalidate);
     if (!drop) goto fail_rec;
     Py_INCREF(c); /* held through _after_barrier */
-    PyObject *r = h2d_fast(s, b->fsite, b->pdst, host, drop, 0);
+    int code = h2d_fast(s, b->fsite, b->pdst, host, drop, 0);
     Py_DECREF(drop);
-    if (!r) goto fail_c;
-    long code = PyLong_AsLong(r);
-    Py_DECREF(r);
+    if (code < 0) goto fail_c;
     if (code == STAGED) {
         memcpy(d->data, hdata, (size_t)nb); /* the record now holds what was staged */
     } else if (code == BARRIER) {
@@ -3355,7 +3447,7 @@ static PyObject *copiercore_begin_fast(CopierCore *c, PyObject *unused) {
     unsigned long me = PyThread_get_thread_ident();
     if (!step_is_callers(c, me)) Py_RETURN_FALSE;
     Segment *seg = (Segment *)c->seg;
-    if (PyList_GET_SIZE(seg->entries)) Py_RETURN_FALSE; /* staged: flushed first */
+    if (nstaged(seg)) Py_RETURN_FALSE; /* staged: flushed first */
     if (!c->check_mod) Py_RETURN_FALSE;
     PyObject *mode = PyObject_GetAttr(c->check_mod, s_check_mode);
     if (!mode) {
@@ -3471,7 +3563,7 @@ static PyObject *copiercore_flush_fast(CopierCore *c, PyObject *unused) {
         Py_RETURN_FALSE;
     Segment *seg = (Segment *)c->seg;
     RingCore *ring = (RingCore *)c->ring;
-    if (!PyList_GET_SIZE(seg->entries)) {
+    if (!nstaged(seg)) {
         /* nothing staged and no event owed (a step whose every copy was skipped as
          * unchanged): flush()'s body would return at once, so return here */
         PyObject *cur = ring->current;
@@ -3583,7 +3675,15 @@ cut:
 }
 
 static PyObject *core_seg(PyObject *self) {
-    return PyObject_TypeCheck(self, &CopierCoreType) ? ((CopierCore *)self)->seg : NULL;
+    /* the copier's class (a subclass: an MRO walk each time) remembered once seen; the
+     * reference keeps it alive, so no other type takes its address */
+    static PyTypeObject *known;
+    PyTypeObject *tp = Py_TYPE(self);
+    if (tp == known || tp == &CopierCoreType) return ((CopierCore *)self)->seg;
+    if (!PyType_IsSubtype(tp, &CopierCoreType)) return NULL;
+    Py_INCREF(tp);
+    Py_XSETREF(known, tp);
+    return ((CopierCore *)self)->seg;
 }
 
 static PyMethodDef copiercore_methods[] = {
@@ -3641,19 +3741,60 @@ GC_FIELDS(stepcore, StepCore, STEP_FIELDS)
 static int stepcore_init(StepCore *st, PyObject *args, PyObject *kw) {
     PyObject *copier, *graph = Py_None;
     static char *kwlist[] = {"copier", "graph", NULL};
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|O:_Step", kwlist, &copier, &graph))
+    Py_ssize_t n = PyTuple_GET_SIZE(args);
+    if (!kw && (n == 1 || n == 2)) { /* step()'s own call: no argument parsing */
+        copier = PyTuple_GET_ITEM(args, 0);
+        if (n == 2) graph = PyTuple_GET_ITEM(args, 1);
+    } else if (!PyArg_ParseTupleAndKeywords(args, kw, "O|O:_Step", kwlist, &copier, &graph)) {
         return -1;
+    }
     Py_XSETREF(st->copier, Py_NewRef(copier));
     Py_XSETREF(st->graph, Py_NewRef(graph));
     return 0;
 }
 
-static PyObject *s_enter, *s_exit, *s_flush, *s_begin;
+static PyObject *s_enter, *s_exit, *s_flush, *s_begin, *s_flush_failed, *s_flush_rest;
 static PyObject *plain_begin; /* DeviceCopier.begin: a subclass that overrides it is called */
+static PyObject *plain_flush; /* DeviceCopier.flush: likewise */
 
 static PyObject *stepcore_plain_begin(PyObject *type, PyObject *func) {
     Py_XSETREF(plain_begin, Py_NewRef(func));
     Py_RETURN_NONE;
+}
+
+static PyObject *stepcore_plain_flush(PyObject *type, PyObject *func) {
+    Py_XSETREF(plain_flush, Py_NewRef(func));
+    Py_RETURN_NONE;
+}
+
+/* flush() of copier c: DeviceCopier.flush's body with its _flush_fast called from here
+ * (one Python frame less a step), or the copier's own flush() when a subclass has one */
+static PyObject *step_flush(CopierCore *c) {
+    PyObject *o = (PyObject *)c;
+    if (!plain_flush || _PyType_Lookup(Py_TYPE(o), s_flush) != plain_flush)
+        return PyObject_CallMethodNoArgs(o, s_flush);
+    PyObject *done = copiercore_flush_fast(c, NULL);
+    if (!done) {
+        /* flush(): except BaseException as exc: self._flush_failed(exc) (raises) */
+        PyObject *tp, *exc, *tb;
+        PyErr_Fetch(&tp, &exc, &tb);
+        PyErr_NormalizeException(&tp, &exc, &tb);
+        if (tb && exc) PyException_SetTraceback(exc, tb);
+        Py_XDECREF(tp);
+        Py_XDECREF(tb);
+        if (!exc) return NULL; /* (no exception after all: cannot happen) */
+        PyObject *r = PyObject_CallMethodOneArg(o, s_flush_failed, exc);
+        Py_DECREF(exc);
+        Py_XDECREF(r);
+        if (r) {
+            PyErr_SetString(PyExc_SystemError, "_flush_failed() returned");
+        }
+        return NULL;
+    }
+    if (done == Py_True) return done;
+    PyObject *r = PyObject_CallMethodOneArg(o, s_flush_rest, done);
+    Py_DECREF(done);
+    return r;
 }
 
 static PyObject *stepcore_enter(StepCore *st, PyObject *unused) {
@@ -3687,7 +3828,7 @@ static PyObject *stepcore_exit(StepCore *st, PyObject *const *args, Py_ssize_t n
             s_exit, (PyObject *[]){(PyObject *)st, args[0], args[1], args[2]}, 4, NULL);
     CopierCore *c = (CopierCore *)o;
     Py_SETREF(c->stepping, Py_NewRef(Py_False));
-    PyObject *r = PyObject_CallMethodNoArgs(o, s_flush);
+    PyObject *r = step_flush(c);
     /* finally: the step is over, whatever flush() did */
     Py_SETREF(c->in_step, Py_NewRef(Py_False));
     ((Segment *)c->seg)->fast = 0;
@@ -3700,6 +3841,9 @@ static PyMethodDef stepcore_methods[] = {
     {"_plain_begin", (PyCFunction)stepcore_plain_begin, METH_O | METH_CLASS,
      "_plain_begin(DeviceCopier.begin): __enter__'s compiled path runs only for a copier "
      "whose begin() is this one (a subclass's own begin() is called)."},
+    {"_plain_flush", (PyCFunction)stepcore_plain_flush, METH_O | METH_CLASS,
+     "_plain_flush(DeviceCopier.flush): __exit__ calls _flush_fast itself only for a "
+     "copier whose flush() is this one (a subclass's own flush() is called)."},
     {"__enter__", (PyCFunction)stepcore_enter, METH_NOARGS, "begin(); the copier."},
     {"__exit__", (PyCFunction)(void (*)(void))stepcore_exit, METH_FASTCALL,
      "flush(), or discard() on an exception; False."},
@@ -3802,7 +3946,9 @@ PyMODINIT_FUNC PyInit__segment(void) {
     s_enter = PyUnicode_InternFromString("_enter");
     s_exit = PyUnicode_InternFromString("_exit");
     s_flush = PyUnicode_InternFromString("flush");
-    if (!s_enter || !s_exit || !s_flush) return NULL;
+    s_flush_failed = PyUnicode_InternFromString("_flush_failed");
+    s_flush_rest = PyUnicode_InternFromString("_flush_rest");
+    if (!s_enter || !s_exit || !s_flush || !s_flush_failed || !s_flush_rest) return NULL;
     s_inline = PyUnicode_InternFromString("inline");
     s_mapped = PyUnicode_InternFromString("mapped");
     s_auto = PyUnicode_InternFromString("auto");

@@ -6,6 +6,7 @@ import contextvars
 import os
 import threading
 import weakref
+from typing import NoReturn
 
 import numpy as np
 
@@ -632,12 +633,26 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
         try:
             done = self._flush_fast()  # the common case, compiled (PyCopierCore._flush_fast)
         except BaseException as exc:
-            err = self._flush_error(self._seg.entries, exc)
-            if err is exc:
-                raise
-            raise err from exc
-        if done is True:
-            return
+            self._flush_failed(exc)
+        if done is not True:
+            self._flush_rest(done)
+
+    def _flush_failed(self, exc: BaseException) -> NoReturn:
+        """Raise what :meth:`flush` reports for ``exc``, raised by ``_flush_fast``.
+
+        (The compiled step's exit calls ``_flush_fast`` itself, then this on an error.)
+        """
+        err = self._flush_error(self._seg.entries, exc)
+        if err is exc:
+            raise exc
+        raise err from exc
+
+    def _flush_rest(self, done) -> None:
+        """:meth:`flush` after ``_flush_fast`` returned ``done`` (False, or a cut).
+
+        (The compiled step's exit calls ``_flush_fast`` itself, then this when it did
+        not land the step.)
+        """
         if done is not False:  # cut, not launched carried whole: land it by its mode's path
             self._flush_segment(done)
             slot = self._ring.current
@@ -1564,6 +1579,8 @@ if _CompiledStepCore is not None:
     # step()'s compiled entry opens the step itself only for this begin(); a subclass
     # that overrides begin() has its own called
     _CompiledStepCore._plain_begin(DeviceCopier.begin)
+    # and its exit calls _flush_fast itself only for this flush()
+    _CompiledStepCore._plain_flush(DeviceCopier.flush)
 
 
 _patterns: dict = {}

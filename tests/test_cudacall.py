@@ -1394,3 +1394,35 @@ def test_flush_fast_leaves_an_eager_copys_event_to_the_python_body():
     assert dev.to_host(a).tolist() == [6] * 16 and dev.to_host(b).tolist() == [4] * 16
     assert problems == []
     c.close()
+
+
+@needs_both
+def test_a_compiled_flush_that_fails_at_the_step_exit_is_reported_as_flush_reports_it():
+    # the compiled step's exit calls _flush_fast itself (no flush() frame): an error it
+    # raises (a descriptor field too wide to encode) is reported as flush() reports it,
+    # naming the site, dropped copies' callbacks run, and the copier stays usable
+    import cucopy as cc
+    from cucopy import copier as copier_mod
+
+    c, Site, dev, fake, problems = _landing_copier("inline")
+    compiled = copier_mod._CopierCore is not copier_mod.PyCopierCore
+    _steps_of_eight(c, Site, dev, c._ring.slots)  # a slot's first step is the Python path's
+    fast = c._fast_flushes
+    dropped, failed = [], []
+    report = c._flush_failed
+
+    def spy(exc):
+        failed.append(exc)
+        report(exc)
+
+    c._flush_failed = spy  # what the exit calls when _flush_fast raised
+    with pytest.raises(cc.CopyError, match=r"Site\.A: flushing 1 staged copies failed") as info:
+        with c.step():
+            desc = (1 << 40, 1 << 41, 0, 1 << 32, 4, 4, 2, pack.KIND_D2D, 0, 0)
+            c._seg.stage(Site.A, lambda: dropped.append(1), 0, 1 << 33, None, 0, desc)
+    assert isinstance(info.value.__cause__, (ValueError, OverflowError))
+    assert [type(e) for e in failed] == ([type(info.value.__cause__)] if compiled else [])
+    assert dropped == [1] and c.staged == 0 and c._fast_flushes == fast
+    _steps_of_eight(c, Site, dev, 2)
+    assert c._fast_flushes == fast + (2 if compiled else 0) and problems == []
+    c.close()

@@ -703,3 +703,56 @@ def test_the_flush_mode_is_kept_as_the_interned_literal():
     c = cc.DeviceCopier(PLAN, stream=dev.default_stream, device=dev, backend="sim", flush_mode=mode)
     assert c.flush_mode is copier_module.FLUSH_MODES[2]
     c.close()
+
+
+def _entries_program(cls, monkeypatch):
+    """Fast copies, a fill (the general staging path), more copies: the entries as read
+    mid-segment, that list again after one more copy, and the merged counts after."""
+    monkeypatch.setattr(copier_module, "Segment", cls)
+    dev, c = _sim_copier()
+    a = [dev.zeros((4 + i,), np.int32) for i in range(3)]
+    b = [dev.zeros((2, 8), np.int64) for _ in range(2)]
+    tail = dev.zeros((16,), np.int32)
+    table = dev.zeros((8, 16), np.int32)
+    late = dev.zeros((3,), np.int32)
+    for _ in range(2):  # the first step caches the destinations
+        with c.step():
+            for i, d in enumerate(a):
+                c.copy(Site.A, d, np.arange(4 + i, dtype=np.int32))
+            c.fill_tail(Site.TAIL, tail, 5, -1)
+            for d in b:
+                c.copy(Site.B, d, np.ones((2, 8), np.int64))
+            c.copy(Site.B, table[1:3, 2:5], np.full((2, 3), 7, np.int32))
+            held = c._seg.entries
+            first = [(e.site, e.lo, e.hi, e.index, e.geom) for e in held]
+            c.copy(Site.A, late, np.ones(3, np.int32))  # a cached destination: fast
+            after = [(e.site, e.lo, e.hi) for e in held]
+    counts = {s: c.stats.sites[s].merged for s in (Site.A, Site.B, Site.TAIL)}
+    assert dev.to_host(table)[1:3, 2:5].tolist() == [[7] * 3] * 2
+    assert dev.to_host(tail).tolist() == [0] * 5 + [-1] * 11
+    c.close()
+    base = first[0][1]  # addresses relative to the first destination's
+
+    def rel(g):
+        return g if g is None else (g[0] - base, *g[1:])
+
+    return (
+        [(s, lo - base, hi - base, i, rel(g)) for s, lo, hi, i, g in first],
+        [(s, lo - base, hi - base) for s, lo, hi in after],
+        counts,
+    )
+
+
+def test_entries_read_mid_segment_are_the_staged_copies_in_order(monkeypatch):
+    # the compiled twin keeps a fast copy's entry as a C record until something reads
+    # the list: what is read is what the Python twin holds, in staging order, and a
+    # list read mid-segment takes the copies staged after it, as the Python twin's does
+    want, want_after, want_counts = _entries_program(segment.PySegment, monkeypatch)
+    assert [s for s, *_ in want] == [Site.A] * 3 + [Site.TAIL] + [Site.B] * 3
+    assert [i for *_, i, _ in want[:3]] == [0, 1, 2]
+    assert want_after[: len(want)] == [w[:3] for w in want]
+    assert len(want_after) == len(want) + 1 and want_after[-1][0] is Site.A
+    assert want_counts == {Site.A: 8, Site.B: 6, Site.TAIL: 2}
+    if CSegment is None:
+        return
+    assert _entries_program(CSegment, monkeypatch) == (want, want_after, want_counts)
