@@ -3,6 +3,7 @@
 Usage:
     python bench/probes/instr_step.py [--n 8,32,128] [--annotate 25]   # runs valgrind
     python bench/probes/instr_step.py --n 32 --skip   # steps of 32 unchanged buffer updates
+    python bench/probes/instr_step.py --n 32 --torch  # from torch CPU tensors
     python bench/probes/instr_step.py --inner --n 32 --steps 520      # what valgrind runs
 
 Question: did a change to the compiled staging core make a step cheaper? Wall time on
@@ -77,8 +78,9 @@ _GRAPH_FNS = (
 )
 
 
-def _copier(n: int, lib: Path, graphs: bool = True, mode: str = "auto"):
-    """A sim copier of the decode mix wired to the compiled launcher over ``lib``."""
+def _copier(n: int, lib: Path, graphs: bool = True, mode: str = "auto", torch_src: bool = False):
+    """A sim copier of the decode mix wired to the compiled launcher over ``lib``
+    (``torch_src``: the sources are torch CPU tensors, else NumPy arrays)."""
     import numpy as np
 
     import cucopy as cc
@@ -121,12 +123,22 @@ def _copier(n: int, lib: Path, graphs: bool = True, mode: str = "auto"):
     pairs = []
     for k, dt in mix:
         src = rng.integers(1, 1 << 30, size=k).astype(dt)
+        if torch_src:
+            import torch
+
+            src = torch.from_numpy(src)
         pairs.append((dev.empty((k,), np.dtype(dt)), src))
     return c, site.x, pairs, drv
 
 
 def inner(
-    n: int, steps: int, lib: Path, graphs: bool = True, mode: str = "auto", skip: bool = False
+    n: int,
+    steps: int,
+    lib: Path,
+    graphs: bool = True,
+    mode: str = "auto",
+    skip: bool = False,
+    torch_src: bool = False,
 ) -> None:
     """Run ``steps`` merged steps of N copies (what valgrind measures).
 
@@ -135,7 +147,7 @@ def inner(
     """
     import cucopy as cc
 
-    c, site, pairs, _ = _copier(n, lib, graphs, mode)
+    c, site, pairs, _ = _copier(n, lib, graphs, mode, torch_src)
     if skip:
         bufs = [(cc.DeviceCopyBuffer(d, site=site), v) for d, v in pairs]
         for _ in range(steps):
@@ -156,7 +168,14 @@ def inner(
 
 
 def _count(
-    n: int, steps: int, lib: Path, out: Path, graphs: bool = True, mode="auto", skip=False
+    n: int,
+    steps: int,
+    lib: Path,
+    out: Path,
+    graphs: bool = True,
+    mode="auto",
+    skip=False,
+    torch_src=False,
 ) -> int:
     # one BLAS thread: OpenBLAS's idle workers spin a varying number of instructions
     env = dict(os.environ, PYTHONHASHSEED="0", OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
@@ -177,6 +196,7 @@ def _count(
         "--mode",
         mode,
         *(["--skip"] if skip else []),
+        *(["--torch"] if torch_src else []),
     ]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if r.returncode != 0:
@@ -221,17 +241,19 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--skip", action="store_true", help="steps of N unchanged DeviceCopyBuffer updates"
     )
+    ap.add_argument("--torch", action="store_true", help="torch CPU tensors as the sources")
     args = ap.parse_args(argv)
     if args.inner:
-        inner(args.n[0], args.steps, args.lib, not args.no_graphs, args.mode, args.skip)
+        inner(args.n[0], args.steps, args.lib, not args.no_graphs, args.mode, args.skip, args.torch)
         return 0
     with tempfile.TemporaryDirectory() as tmp:
         where = Path(tmp)
         lib = _noop_lib(where)
         for n in args.n:
             g = not args.no_graphs
-            short = _count(n, SHORT, lib, where / f"short-{n}.out", g, args.mode, args.skip)
-            long_ = _count(n, LONG, lib, where / f"long-{n}.out", g, args.mode, args.skip)
+            opts = (g, args.mode, args.skip, args.torch)
+            short = _count(n, SHORT, lib, where / f"short-{n}.out", *opts)
+            long_ = _count(n, LONG, lib, where / f"long-{n}.out", *opts)
             per = (long_ - short) / (LONG - SHORT)
             each = f"{per / n:8.0f} a copy" if n else "(an empty step)"
             print(f"N={n:4d}: {per:10.0f} instructions a step, {each}")
