@@ -363,6 +363,7 @@ typedef struct {
     struct Native *nat; /* validated through native getters (then spec is unused), or NULL */
     PyObject *ndescr;   /* the handle attribute's descriptor on tp */
     struct NGeo *nval;  /* the geometry the native getters read when cached */
+    int nat_word;       /* its handle read from the object's own word (native_word) */
 } Cached;
 
 static void cached_dealloc(Cached *c) {
@@ -464,6 +465,7 @@ typedef int (*nat_i32_fn)(void **h, int32_t *out);
 typedef struct Native {
     PyObject *fp;   /* the fingerprint function that declared it */
     PyObject *attr; /* the handle attribute's name */
+    Py_ssize_t word_off; /* where the object holds the handle itself, or -1 (see below) */
     nat_ptr_fn data_ptr;
     nat_i64_fn dim;
     nat_i64p_fn sizes, strides;
@@ -491,7 +493,7 @@ static Native *native_for(PyObject *fp) {
     memset(n, 0, sizeof(*n));
     PyObject *t = PyObject_GetAttr(fp, s_native);
     if (!t) PyErr_Clear();
-    else if (PyTuple_Check(t) && PyTuple_GET_SIZE(t) == 6 &&
+    else if (PyTuple_Check(t) && (PyTuple_GET_SIZE(t) == 6 || PyTuple_GET_SIZE(t) == 7) &&
              PyUnicode_Check(PyTuple_GET_ITEM(t, 0))) {
         void *f[5];
         int ok = 1;
@@ -506,6 +508,12 @@ static Native *native_for(PyObject *fp) {
             n->sizes = (nat_i64p_fn)f[2];
             n->strides = (nat_i64p_fn)f[3];
             n->dtype = (nat_i32_fn)f[4];
+            n->word_off = -1;
+            if (PyTuple_GET_SIZE(t) == 7) {
+                Py_ssize_t off = PyLong_AsSsize_t(PyTuple_GET_ITEM(t, 6));
+                if (off == -1 && PyErr_Occurred()) PyErr_Clear();
+                else if (off >= 16 && off % 8 == 0) n->word_off = off;
+            }
         }
     }
     Py_XDECREF(t);
@@ -521,13 +529,33 @@ static PyObject *native_descr(Native *n, PyTypeObject *tp) {
     return Py_NewRef(d);
 }
 
-/* x's geometry through the native getters: 1 read, 0 not (errors cleared) */
-static int native_read(Native *n, PyObject *descr, PyTypeObject *tp, PyObject *x, NGeo *g) {
+/* the handle x's attribute gives (NULL: none, errors cleared) */
+static void *native_handle(Native *n, PyObject *descr, PyTypeObject *tp, PyObject *x) {
     PyObject *h = Py_TYPE(descr)->tp_descr_get(descr, x, (PyObject *)tp);
-    if (!h) { PyErr_Clear(); return 0; }
+    if (!h) { PyErr_Clear(); return NULL; }
     void *impl = PyLong_AsVoidPtr(h);
     Py_DECREF(h);
-    if (!impl) { PyErr_Clear(); return 0; }
+    if (!impl) PyErr_Clear();
+    return impl;
+}
+
+/* The handle word a tensor object holds itself (torch: THPVariable's at::Tensor, one
+ * word naming the TensorImpl): reading it skips the `_cdata` getter, which builds and
+ * frees a Python int (~300 instructions a tensor). The adapter declares the offset
+ * only after it read `_cdata` there on tensors of several kinds, and a cache entry
+ * uses it only after it read the attribute's value there on that very object
+ * (cached_new): an object's handle never changes while it lives (resize_, set_ and
+ * `.data =` change the TensorImpl, not which one; a collected tensor's weak
+ * reference is cleared before its fields, so cached_valid never gets that far). */
+static long long native_word_reads; /* read through the word (for the tests) */
+static inline void *native_word(Native *n, PyObject *x) {
+    native_word_reads++;
+    return *(void *const *)((const char *)x + n->word_off);
+}
+
+/* the geometry of the tensor whose handle is impl: 1 read, 0 not */
+static int native_geo(Native *n, void *impl, NGeo *g) {
+    if (!impl) return 0;
     void *word = impl; /* an at::Tensor is one word: its TensorImpl */
     int64_t *sz, *st;
     if (n->data_ptr(&word, &g->ptr) || n->dim(&word, &g->ndim) || g->ndim < 0 ||
@@ -537,6 +565,11 @@ static int native_read(Native *n, PyObject *descr, PyTypeObject *tp, PyObject *x
     memcpy(g->sizes, sz, (size_t)g->ndim * sizeof(int64_t));
     memcpy(g->strides, st, (size_t)g->ndim * sizeof(int64_t));
     return 1;
+}
+
+/* x's geometry through the native getters: 1 read, 0 not (errors cleared) */
+static int native_read(Native *n, PyObject *descr, PyTypeObject *tp, PyObject *x, NGeo *g) {
+    return native_geo(n, native_handle(n, descr, tp, x), g);
 }
 
 static int ngeo_equal(const NGeo *a, const NGeo *b) {
@@ -550,7 +583,9 @@ static int cached_valid(Cached *c, PyObject *x) {
     if (!weak_is(c->ref, x)) return 0;
     if (c->nat && Py_TYPE(x) == c->tp) {
         NGeo now;
-        return native_read(c->nat, c->ndescr, c->tp, x, &now) && ngeo_equal(&now, c->nval);
+        void *impl = c->nat_word ? native_word(c->nat, x) : NULL;
+        if (!impl) impl = native_handle(c->nat, c->ndescr, c->tp, x);
+        return native_geo(c->nat, impl, &now) && ngeo_equal(&now, c->nval);
     }
     if (c->spec) {
         Py_ssize_t n = PyTuple_GET_SIZE(c->spec);
@@ -592,13 +627,19 @@ static Cached *cached_new(PyObject *x, PyObject *fp, PyObject *dtype) {
     c->nat = NULL;
     c->ndescr = NULL;
     c->nval = NULL;
+    c->nat_word = 0;
     c->dtype = Py_NewRef(dtype);
     Native *nat = native_for(fp);
     if (nat) {
         c->ndescr = native_descr(nat, Py_TYPE(x));
         c->nval = c->ndescr ? PyMem_Malloc(sizeof(NGeo)) : NULL;
-        if (c->nval && native_read(nat, c->ndescr, Py_TYPE(x), x, c->nval))
+        void *impl = c->nval ? native_handle(nat, c->ndescr, Py_TYPE(x), x) : NULL;
+        if (impl && native_geo(nat, impl, c->nval)) {
             c->nat = nat; /* else the spec below validates it */
+            c->nat_word = nat->word_off >= 0 &&
+                          Py_TYPE(x)->tp_basicsize >= nat->word_off + (Py_ssize_t)sizeof(void *) &&
+                          native_word(nat, x) == impl;
+        }
     }
     PyObject *spec = PyObject_GetAttr(fp, s_spec);
     if (spec && PyTuple_Check(spec)) {
@@ -3919,9 +3960,19 @@ static PyMemberDef activation_members[] = {{NULL}};
 static PyTypeObject ActivationType = CORE_TYPE(activation, Activation, activation_methods,
     "What DeviceCopier.activate() returns (compiled twin of cucopy.copier._PyActivation).");
 
+static PyObject *mod_native_word_reads(PyObject *m, PyObject *unused) {
+    return PyLong_FromLongLong(native_word_reads);
+}
+
+static PyMethodDef module_methods[] = {
+    {"_native_word_reads", mod_native_word_reads, METH_NOARGS,
+     "Cached tensors validated through the handle word they hold (native_word), so far."},
+    {NULL},
+};
+
 static struct PyModuleDef moduledef = {
     PyModuleDef_HEAD_INIT, "cucopy._segment",
-    "The open segment, compiled (twin of cucopy.segment.PySegment).", -1, NULL,
+    "The open segment, compiled (twin of cucopy.segment.PySegment).", -1, module_methods,
 };
 
 PyMODINIT_FUNC PyInit__segment(void) {

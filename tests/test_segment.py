@@ -245,8 +245,58 @@ def test_torch_declares_native_getters_that_agree_with_its_attributes():
 
     native = getattr(torch_adapter.fingerprint, "__cucopy_native__", None)
     assert native is not None, "torch's aoti_torch_get_* getters were not usable"
-    assert native[0] == "_cdata" and len(native) == 6 and all(native[1:])
+    assert native[0] == "_cdata" and len(native) == 7 and all(native[1:6])
     assert torch_adapter._native_getters() == native
+
+
+def test_torch_tensors_hold_their_handle_where_the_adapter_says():
+    # the declared word offset (the 7th field): a tensor object holds its _cdata there,
+    # whichever way it was made; the compiled core reads it there for a cached tensor
+    torch = pytest.importorskip("torch")
+    import ctypes
+
+    from cucopy.adapters import torch as torch_adapter
+
+    off = torch_adapter.fingerprint.__cucopy_native__[6]
+    assert off == torch_adapter._handle_word([]) and off >= 16
+    made = [
+        torch.zeros(7, dtype=torch.int64),
+        torch.arange(12).reshape(3, 4).t(),
+        torch.from_numpy(np.zeros(3, np.float32)),
+        torch.ones(4)[::2],
+        torch.nn.Parameter(torch.ones(2)),
+        torch.zeros(2, 2).pin_memory() if torch.cuda.is_available() else torch.empty(0),
+    ]
+    for t in made:
+        assert ctypes.c_void_p.from_address(id(t) + off).value == t._cdata
+
+
+@pytest.mark.skipif(CSegment is None, reason="the compiled twin is not built")
+def test_a_cached_torch_tensor_is_validated_through_the_handle_it_holds(monkeypatch):
+    # the compiled core validates a cached torch source and destination from the word
+    # the tensor holds (no _cdata int built), and still sees changes made in place
+    torch = pytest.importorskip("torch")
+    from cucopy import _segment
+
+    monkeypatch.setattr(copier_module, "Segment", CSegment)
+    dev, c = _sim_copier()
+    dst = dev.zeros((6,), np.int32)
+    src = torch.arange(6, dtype=torch.int32)
+    with c.step():
+        c.copy(Site.A, dst, src)
+    calls = _spy(c)
+    before = _segment._native_word_reads()
+    for k in range(4):
+        src.fill_(k)
+        with c.step():
+            c.copy(Site.A, dst, src)
+        assert dev.to_host(dst).tolist() == [k] * 6
+    assert calls == [] and _segment._native_word_reads() - before == 4
+    src.set_(torch.arange(50, 56, dtype=torch.int32).untyped_storage())  # in place
+    with c.step():
+        c.copy(Site.A, dst, src)
+    assert dev.to_host(dst).tolist() == list(range(50, 56)) and calls == [Site.A]
+    c.close()
 
 
 def test_counts_survive_a_stats_reset(twin):

@@ -306,9 +306,42 @@ def _native_getters():
             seen.add((t.dtype, dtype.value))
         if len({d for _, d in seen}) != len({t for t, _ in seen}):
             return None  # the dtype codes must tell the dtypes apart
-        return ("_cdata", *(ctypes.cast(f, ctypes.c_void_p).value for f in fns))
+        addrs = tuple(ctypes.cast(f, ctypes.c_void_p).value for f in fns)
+        return ("_cdata", *addrs, _handle_word(tensors))
     except Exception:  # any surprise: the Python attributes serve
         return None
+
+
+def _handle_word(tensors) -> int:
+    """Where a tensor object holds the ``_cdata`` handle itself, or -1.
+
+    After CPython's object header, torch's ``THPVariable`` holds its ``at::Tensor``: one
+    word naming the TensorImpl (torch 2.13: at offset 16; where it is a
+    ``c10::MaybeOwned``, after a "borrowed" flag). The offset is declared only when that
+    word is ``_cdata`` on every tensor tried (owned ones, views, NumPy's, parameters);
+    the compiled core reads it for a cached tensor only after reading ``_cdata`` there
+    on that very object.
+    """
+    try:
+        import numpy as np
+
+        tried = [
+            *tensors,
+            torch.from_numpy(np.arange(4, dtype=np.int64)),
+            torch.ones(5)[1:],
+            torch.nn.Parameter(torch.zeros(2)),
+            torch.empty(0, dtype=torch.int8),
+        ]
+        for off in range(16, 64, 8):
+            if all(
+                type(t).__basicsize__ >= off + 8
+                and ctypes.c_void_p.from_address(id(t) + off).value == t._cdata
+                for t in tried
+            ):
+                return off
+        return -1
+    except Exception:  # any surprise: the getters' attribute read serves
+        return -1
 
 
 _native = _native_getters()
