@@ -40,6 +40,7 @@
 #define BLOCK_BYTES (WINDOWS_PER_BLOCK * 16)
 #define DCACHE_MAX 4096
 #define MAXDIM 16 /* dimensions of a shape the fast path compares */
+_Static_assert(sizeof(Py_ssize_t) == sizeof(int64_t), "shapes are compared as int64_t");
 #define MAX_FIELD 0xFFFFFFFFLL /* pack.MAX_FIELD: a descriptor's 32-bit fields */
 
 enum { MISS = 0, STAGED = 1, BARRIER = 2, FULL = -1, ORDER = -2 };
@@ -154,8 +155,13 @@ static Py_ssize_t bisect_left(const addr_t *a, Py_ssize_t n, addr_t x) {
     return l;
 }
 
-static int ranges_grow(Ranges *r) {
-    if (r->n < r->cap) return 0;
+static int ranges_grow_slow(Ranges *r);
+
+static inline int ranges_grow(Ranges *r) {
+    return r->n < r->cap ? 0 : ranges_grow_slow(r);
+}
+
+static int ranges_grow_slow(Ranges *r) {
     Py_ssize_t cap = r->cap ? r->cap * 2 : 64;
     addr_t *lo = PyMem_Realloc(r->lo, cap * sizeof(addr_t));
     if (!lo) { PyErr_NoMemory(); return -1; }
@@ -173,7 +179,7 @@ static int ranges_overlaps(const Ranges *r, addr_t lo, addr_t hi) {
     return i < r->n && r->lo[i] < hi;
 }
 
-static void ranges_insert(Ranges *r, Py_ssize_t i, addr_t lo, addr_t hi) {
+static inline void ranges_insert(Ranges *r, Py_ssize_t i, addr_t lo, addr_t hi) {
     if (i < r->n) { /* (at the end, the usual case, nothing moves) */
         memmove(r->lo + i + 1, r->lo + i, (r->n - i) * sizeof(addr_t));
         memmove(r->hi + i + 1, r->hi + i, (r->n - i) * sizeof(addr_t));
@@ -572,20 +578,28 @@ static int native_read(Native *n, PyObject *descr, PyTypeObject *tp, PyObject *x
     return native_geo(n, native_handle(n, descr, tp, x), g);
 }
 
-static int ngeo_equal(const NGeo *a, const NGeo *b) {
-    return a->ptr == b->ptr && a->ndim == b->ndim && a->dtype == b->dtype &&
-           !memcmp(a->sizes, b->sizes, (size_t)a->ndim * sizeof(int64_t)) &&
-           !memcmp(a->strides, b->strides, (size_t)a->ndim * sizeof(int64_t));
+/* native_geo(n, impl) equal to was, compared as read (no copy, no memcmp call) */
+static int native_same(Native *n, void *impl, const NGeo *was) {
+    if (!impl) return 0;
+    void *word = impl, *ptr;
+    int64_t ndim, *sz, *st;
+    int32_t dtype;
+    if (n->data_ptr(&word, &ptr) || ptr != was->ptr || n->dim(&word, &ndim) ||
+        ndim != was->ndim || n->dtype(&word, &dtype) || dtype != was->dtype ||
+        n->sizes(&word, &sz) || n->strides(&word, &st))
+        return 0;
+    for (int64_t i = 0; i < ndim; i++)
+        if (sz[i] != was->sizes[i] || st[i] != was->strides[i]) return 0;
+    return 1;
 }
 
 /* 1 when x's fingerprint still matches, 0 when not (errors cleared: a miss) */
 static int cached_valid(Cached *c, PyObject *x) {
     if (!weak_is(c->ref, x)) return 0;
     if (c->nat && Py_TYPE(x) == c->tp) {
-        NGeo now;
         void *impl = c->nat_word ? native_word(c->nat, x) : NULL;
         if (!impl) impl = native_handle(c->nat, c->ndescr, c->tp, x);
-        return native_geo(c->nat, impl, &now) && ngeo_equal(&now, c->nval);
+        return native_same(c->nat, impl, c->nval);
     }
     if (c->spec) {
         Py_ssize_t n = PyTuple_GET_SIZE(c->spec);
@@ -1247,7 +1261,8 @@ typedef struct {
     int64_t rows, width, pitch, nbytes, itemsize;
     int kind;
     int ndim; /* the destination's shape (-1: unknown) */
-    int64_t shape[MAXDIM];
+    const int64_t *shape; /* the cache entry's, or buf's (a view's, computed) */
+    int64_t buf[MAXDIM];
     PyObject *dtype; /* borrowed from the cache entry */
 } Geo;
 
@@ -1357,7 +1372,8 @@ static int view_geo(Segment *s, PyObject *dst, PyObject *vspec, Geo *g) {
         if (nd < 0 || ns != nd) goto out;
     }
     g->ndim = nd;
-    memcpy(g->shape, sh, (size_t)nd * sizeof(int64_t));
+    memcpy(g->buf, sh, (size_t)nd * sizeof(int64_t));
+    g->shape = g->buf;
     int64_t numel = 1;
     for (int i = 0; i < nd; i++) {
         numel *= sh[i];
@@ -1392,7 +1408,7 @@ static int dst_geo(Segment *s, PyObject *dst, Geo *gp) {
         gp->pitch = c->pitch; gp->nbytes = c->nbytes; gp->kind = c->kind; gp->dtype = c->dtype;
         gp->itemsize = c->itemsize;
         gp->ndim = c->ndim;
-        if (c->ndim > 0) memcpy(gp->shape, c->shape, (size_t)c->ndim * sizeof(int64_t));
+        gp->shape = c->shape;
     } else {
         if (PyErr_Occurred()) return -1;
         /* a view made afresh (buf[:n]) of a cached buffer */
@@ -1464,10 +1480,10 @@ static int h2d_fast(Segment *s, PyObject *site, PyObject *dst, PyObject *src,
         Cached *sc = (Cached *)front_get(&s->sfront, s->scache, src);
         if (!sc) { if (PyErr_Occurred()) goto fail; goto miss; }
         Py_INCREF(sc);
-        Py_ssize_t sshape[MAXDIM];
-        for (int i = 0; i < sc->ndim; i++) sshape[i] = (Py_ssize_t)sc->shape[i];
+        /* (a cached shape is read as Py_ssize_t: as wide, see MAXDIM's assertion) */
         if (sc->nbytes == g.nbytes && sc->ndim >= 0 &&
-            shape_fits(sc->ndim, sshape, g.ndim, g.shape) && cached_valid(sc, src)) {
+            shape_fits(sc->ndim, (const Py_ssize_t *)sc->shape, g.ndim, g.shape) &&
+            cached_valid(sc, src)) {
             int eq = sc->dtype == g.dtype ? 1 : PyObject_RichCompareBool(sc->dtype, g.dtype, Py_EQ);
             if (eq < 0) PyErr_Clear();
             if (eq == 1 && skip) r = 1;

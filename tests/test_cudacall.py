@@ -1426,3 +1426,50 @@ def test_a_compiled_flush_that_fails_at_the_step_exit_is_reported_as_flush_repor
     _steps_of_eight(c, Site, dev, 2)
     assert c._fast_flushes == fast + (2 if compiled else 0) and problems == []
     c.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["cupy", "torch"])
+def test_on_a_gpu_cached_destinations_stay_on_the_fast_path(env, kind):
+    # CuPy arrays and torch CUDA tensors, once seen, are validated by the staging core
+    # (CuPy: __cucopy_spec__, torch: the native getters) and never resolved again; an
+    # in-place shape change is caught and read afresh
+    import cucopy as cc
+
+    if not hasattr(env, "cp"):
+        pytest.skip("needs the GPU")
+    if kind == "torch":
+        torch = pytest.importorskip("torch")
+        a = torch.zeros(8, dtype=torch.int32, device="cuda")
+        b = torch.zeros((2, 4), dtype=torch.int32, device="cuda")
+        torch.cuda.synchronize()
+    else:
+        a, b = env.empty((8,)), env.empty((2, 4))
+    site = cc.CopySite("D", [("a", cc.H2D), ("b", cc.H2D)])
+    c = env.copier(cc.CopyPlan(merge=set(site)))
+    calls: list = []
+    orig = c._dst
+
+    def spy(s, d):
+        calls.append(s)
+        return orig(s, d)
+
+    for k in range(4):
+        with c.step():
+            c.copy(site.a, a, np.full(8, k, np.int32))
+            c.copy(site.b, b, np.full((2, 4), k, np.int32))
+        c._dst = spy  # from the second step on
+    env.cp.cuda.Device(0).synchronize()
+    host = a.cpu().numpy() if kind == "torch" else env.cp.asnumpy(a)
+    assert host.tolist() == [3] * 8
+    assert calls == []  # never resolved after the first step
+    if kind == "torch":
+        b.resize_(4, 2)
+    else:
+        b.shape = (4, 2)
+    with c.step():
+        c.copy(site.b, b, np.arange(8, dtype=np.int32).reshape(4, 2))
+    env.cp.cuda.Device(0).synchronize()
+    host = b.cpu().numpy() if kind == "torch" else env.cp.asnumpy(b)
+    assert host.reshape(-1).tolist() == list(range(8)) and calls == [site.b]
+    c.close()
