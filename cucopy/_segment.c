@@ -760,6 +760,7 @@ typedef struct {
     int64_t nt_from;
     int nt_used; /* streaming stores since the last cut (an sfence owed before a launch) */
     DescVec descs;
+    DescVec scratch; /* cut_impl's split descriptors, kept with their capacity */
     PyObject *entries; /* list of Entry: the open segment's first entries (then raw's) */
     PyObject *spare;   /* an empty list kept with its capacity for the next segment, or NULL */
     Raw *raw;          /* the entries after the list's, not yet objects (see Raw) */
@@ -859,6 +860,7 @@ static void seg_dealloc(Segment *s) {
     PyObject_GC_UnTrack(s);
     seg_clear(s);
     PyMem_Free(s->descs.v);
+    PyMem_Free(s->scratch.v);
     PyMem_Free(s->raw);
     PyMem_Free(s->ckeys);
     PyMem_Free(s->cvals);
@@ -1158,14 +1160,20 @@ static PyObject *seg_forget(Segment *s, PyObject *unused) {
     Py_RETURN_NONE;
 }
 
-static int append_raw_rows(Segment *s, PyObject *site, PyObject *on_drop, addr_t ptr,
-                           int64_t rows, int64_t width, int64_t pitch, addr_t lo, addr_t hi,
-                           int64_t nbytes, int kind, const void *data, int64_t spitch);
+#if defined(__GNUC__)
+#define HOT_INLINE static inline __attribute__((always_inline))
+#else
+#define HOT_INLINE static inline
+#endif
+
+HOT_INLINE int append_raw_rows(Segment *s, PyObject *site, PyObject *on_drop, addr_t ptr,
+                               int64_t rows, int64_t width, int64_t pitch, addr_t lo, addr_t hi,
+                               int64_t nbytes, int kind, const void *data, int64_t spitch);
 
 /* append_raw_rows with the source's rows packed (the usual case) */
-static int append_raw(Segment *s, PyObject *site, PyObject *on_drop, addr_t ptr, int64_t rows,
-                      int64_t width, int64_t pitch, addr_t lo, addr_t hi, int64_t nbytes,
-                      int kind, const void *data) {
+HOT_INLINE int append_raw(Segment *s, PyObject *site, PyObject *on_drop, addr_t ptr,
+                          int64_t rows, int64_t width, int64_t pitch, addr_t lo, addr_t hi,
+                          int64_t nbytes, int kind, const void *data) {
     return append_raw_rows(s, site, on_drop, ptr, rows, width, pitch, lo, hi, nbytes, kind, data,
                            0);
 }
@@ -1175,9 +1183,9 @@ static int append_raw(Segment *s, PyObject *site, PyObject *on_drop, addr_t ptr,
  * the caller's general path), -1 an error (nothing staged). Its entry is a Raw one.
  * spitch: bytes between the source's rows when they are not packed (a NumPy array's
  * column slice, table[:, :n]: rows gathered into the slot), else 0 */
-static int append_raw_rows(Segment *s, PyObject *site, PyObject *on_drop, addr_t ptr,
-                           int64_t rows, int64_t width, int64_t pitch, addr_t lo, addr_t hi,
-                           int64_t nbytes, int kind, const void *data, int64_t spitch) {
+HOT_INLINE int append_raw_rows(Segment *s, PyObject *site, PyObject *on_drop, addr_t ptr,
+                               int64_t rows, int64_t width, int64_t pitch, addr_t lo, addr_t hi,
+                               int64_t nbytes, int kind, const void *data, int64_t spitch) {
     if (s->seg < 0) return 0;
     if (s->reads.n && ranges_overlaps(&s->reads, lo, hi)) return 0;
     int64_t off = (s->cursor + 15) & -16;
@@ -1399,7 +1407,7 @@ out:
 
 /* A cached destination's geometry (or a fresh view's, from its cached base):
  * 1 found, 0 not, -1 error. */
-static int dst_geo(Segment *s, PyObject *dst, Geo *gp) {
+HOT_INLINE int dst_geo(Segment *s, PyObject *dst, Geo *gp) {
     Cached *c = (Cached *)front_get(&s->dfront, s->dcache, dst);
     int r;
     if (c) {
@@ -1920,7 +1928,8 @@ static int cut_impl(Segment *s, long long inline_max, int64_t *seg_out, int64_t 
     char *base = s->view.buf;
     int64_t seg = s->seg, data0 = s->data0, end = align_up(s->cursor, ALIGN), shift = 0;
     int64_t top = s->top;
-    DescVec pieces = {0}, *cur = &s->descs;
+    DescVec pieces = s->scratch, *cur = &s->descs; /* (its buffer reused, no malloc) */
+    pieces.n = 0;
     const Desc *descs = s->descs.v;
     Py_ssize_t n = s->descs.n;
     int64_t nblocks;
@@ -1955,7 +1964,7 @@ static int cut_impl(Segment *s, long long inline_max, int64_t *seg_out, int64_t 
         cur = &pieces;
     }
     (void)cur;
-    PyMem_Free(pieces.v);
+    s->scratch = pieces;
     if (n > s->reserve) s->reserve = n;
     if (n > s->peak) s->peak = n;
     s->cursor = end;
@@ -1965,7 +1974,7 @@ static int cut_impl(Segment *s, long long inline_max, int64_t *seg_out, int64_t 
     *n_out = n;
     return 0;
 fail:
-    PyMem_Free(pieces.v);
+    s->scratch = pieces;
     s->cursor = end;
     return -1;
 }
