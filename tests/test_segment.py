@@ -165,14 +165,20 @@ def test_views_made_afresh_take_the_fast_path(twin):
     c.close()
 
 
-def test_torch_cpu_sources_take_the_fast_path(twin):
+def _cached_torch_source():
+    """A sim copier that copied a torch CPU tensor into a 6-int32 destination once (both
+    cached), its general path spied on: ``(torch, dev, c, dst, src, calls)``."""
     torch = pytest.importorskip("torch")
     dev, c = _sim_copier()
     dst = dev.zeros((6,), np.int32)
     src = torch.arange(6, dtype=torch.int32)
     with c.step():
         c.copy(Site.A, dst, src)
-    calls = _spy(c)
+    return torch, dev, c, dst, src, _spy(c)
+
+
+def test_torch_cpu_sources_take_the_fast_path(twin):
+    torch, dev, c, dst, src, calls = _cached_torch_source()
     for k in range(3):
         src.fill_(k)  # refilled in place, as an engine's staging tensor is
         with c.step():
@@ -275,16 +281,10 @@ def test_torch_tensors_hold_their_handle_where_the_adapter_says():
 def test_a_cached_torch_tensor_is_validated_through_the_handle_it_holds(monkeypatch):
     # the compiled core validates a cached torch source and destination from the word
     # the tensor holds (no _cdata int built), and still sees changes made in place
-    torch = pytest.importorskip("torch")
     from cucopy import _segment
 
     monkeypatch.setattr(copier_module, "Segment", CSegment)
-    dev, c = _sim_copier()
-    dst = dev.zeros((6,), np.int32)
-    src = torch.arange(6, dtype=torch.int32)
-    with c.step():
-        c.copy(Site.A, dst, src)
-    calls = _spy(c)
+    torch, dev, c, dst, src, calls = _cached_torch_source()
     before = _segment._native_word_reads()
     for k in range(4):
         src.fill_(k)
