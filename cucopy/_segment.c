@@ -462,7 +462,9 @@ static inline PyObject *spec_read(Cached *c, Py_ssize_t i, PyObject *x, PyObject
  * tensor is validated by one attribute read and five C calls instead of four
  * Python calls that each build ints and tuples (about 0.3 us a tensor on the GPU's
  * host). The values compared are the fingerprint's own (address, shape, strides,
- * dtype), so the twins still agree on every hit and miss. */
+ * dtype), so the twins still agree on every hit and miss. An optional 7th field is
+ * the byte offset at which the object holds the handle itself (see native_word), or
+ * -1. */
 typedef int (*nat_ptr_fn)(void **h, void **out);
 typedef int (*nat_i64_fn)(void **h, int64_t *out);
 typedef int (*nat_i64p_fn)(void **h, int64_t **out);
