@@ -526,12 +526,42 @@ def pyplot():
 
 
 def save_plot(fig, stem, name: str) -> list[Path]:
-    """Write ``fig`` as ``<stem>-<name>.png``, close it, and return ``[path]``."""
+    """Write ``fig`` as ``<stem>-<name>.png``, close it, and return ``[path]``.
+
+    The PNG is written with a palette of 256 colours (:func:`shrink_png`): a third of
+    the bytes, the same plot to the eye. Stored runs keep their plots in the
+    repository, whose whole tree travels to the lent GPU machine (64 MiB at most).
+    """
     fig.tight_layout()
     path = Path(f"{stem}-{name}.png")
     fig.savefig(path, dpi=110)
     pyplot().close(fig)
+    shrink_png(path)
     return [path]
+
+
+def shrink_png(path) -> bool:
+    """Re-encode the PNG at ``path`` with a 256-colour palette, in place, if smaller.
+
+    Returns whether it was rewritten (False without Pillow, or when the palette one
+    is not smaller).
+    """
+    try:
+        from PIL import Image
+    except ImportError:
+        return False
+    path = Path(path)
+    with Image.open(path) as im:
+        q = im.convert("RGB").quantize(
+            colors=256, method=Image.Quantize.MEDIANCUT, dither=Image.Dither.NONE
+        )
+    tmp = path.with_suffix(".tmp.png")
+    q.save(tmp, optimize=True)
+    if tmp.stat().st_size < path.stat().st_size:
+        tmp.replace(path)
+        return True
+    tmp.unlink()
+    return False
 
 
 def parse_ints(text: str) -> list[int]:

@@ -96,6 +96,18 @@ def test_plots_written_when_matplotlib_is_installed(quick_run):
         assert (out / name).stat().st_size > 0
 
 
+def test_plots_are_written_with_a_palette(quick_run):
+    # stored runs keep their plots in the tree that travels to the GPU machine: each is
+    # a 256-colour PNG, a third of the bytes of the plain one
+    pytest.importorskip("matplotlib")
+    image = pytest.importorskip("PIL.Image")
+    _, doc, out = quick_run
+    for name in doc["plots"]:
+        with image.open(out / name) as im:
+            assert im.mode == "P" and im.size[0] > 100
+    assert not list(out.glob("*.tmp.png"))
+
+
 def test_size_mix_is_fixed_and_in_range():
     from bench._common import decode_mix, mix_bytes
 
