@@ -83,15 +83,20 @@ typedef struct {
     Py_ssize_t n, cap;
 } DescVec;
 
-static int descs_reserve(DescVec *d, Py_ssize_t n) {
-    if (n <= d->cap) return 0;
-    Py_ssize_t cap = d->cap ? d->cap : 64;
-    while (cap < n) cap *= 2;
-    Desc *v = PyMem_Realloc(d->v, cap * sizeof(Desc));
-    if (!v) { PyErr_NoMemory(); return -1; }
-    d->v = v;
-    d->cap = cap;
+/* room for n items of size bytes in the array *v of *cap (doubling from 64) */
+static int array_reserve(void **v, Py_ssize_t *cap, Py_ssize_t n, size_t size) {
+    if (n <= *cap) return 0;
+    Py_ssize_t c = *cap ? *cap : 64;
+    while (c < n) c *= 2;
+    void *p = PyMem_Realloc(*v, (size_t)c * size);
+    if (!p) { PyErr_NoMemory(); return -1; }
+    *v = p;
+    *cap = c;
     return 0;
+}
+
+static int descs_reserve(DescVec *d, Py_ssize_t n) {
+    return array_reserve((void **)&d->v, &d->cap, n, sizeof(Desc));
 }
 
 static int descs_push(DescVec *d, const Desc *x) {
@@ -555,11 +560,11 @@ static void *native_handle(Native *n, PyObject *descr, PyTypeObject *tp, PyObjec
  * (cached_new): an object's handle never changes while it lives (resize_, set_ and
  * `.data =` change the TensorImpl, not which one; a collected tensor's weak
  * reference is cleared before its fields, so cached_valid never gets that far). */
-static long long native_word_reads; /* read through the word (for the tests) */
 static inline void *native_word(Native *n, PyObject *x) {
-    native_word_reads++;
     return *(void *const *)((const char *)x + n->word_off);
 }
+
+static long long native_word_reads; /* validations through the word (for the tests) */
 
 /* the geometry of the tensor whose handle is impl: 1 read, 0 not */
 static int native_geo(Native *n, void *impl, NGeo *g) {
@@ -599,7 +604,11 @@ static int native_same(Native *n, void *impl, const NGeo *was) {
 static int cached_valid(Cached *c, PyObject *x) {
     if (!weak_is(c->ref, x)) return 0;
     if (c->nat && Py_TYPE(x) == c->tp) {
-        void *impl = c->nat_word ? native_word(c->nat, x) : NULL;
+        void *impl = NULL;
+        if (c->nat_word) {
+            impl = native_word(c->nat, x);
+            native_word_reads++;
+        }
         if (!impl) impl = native_handle(c->nat, c->ndescr, c->tp, x);
         return native_same(c->nat, impl, c->nval);
     }
@@ -785,14 +794,7 @@ static void raw_drop(Segment *s) {
 }
 
 static int raw_reserve(Segment *s, Py_ssize_t n) {
-    if (n <= s->rawcap) return 0;
-    Py_ssize_t cap = s->rawcap ? s->rawcap : 64;
-    while (cap < n) cap *= 2;
-    Raw *v = PyMem_Realloc(s->raw, (size_t)cap * sizeof(Raw));
-    if (!v) { PyErr_NoMemory(); return -1; }
-    s->raw = v;
-    s->rawcap = cap;
-    return 0;
+    return array_reserve((void **)&s->raw, &s->rawcap, n, sizeof(Raw));
 }
 
 /* entries staged, objects or not */
@@ -1794,7 +1796,6 @@ static int64_t desc_blocks(const Desc *d) {
     return b ? b : 1;
 }
 
-/* pack.split: out receives the cut descriptors; returns 1 when anything was cut */
 /* append in[from, to) to out whole (descriptors split leaves as they are) */
 static int descs_extend(DescVec *out, const Desc *in, Py_ssize_t from, Py_ssize_t to) {
     if (to <= from) return 0;
@@ -1804,6 +1805,7 @@ static int descs_extend(DescVec *out, const Desc *in, Py_ssize_t from, Py_ssize_
     return 0;
 }
 
+/* pack.split: out receives the cut descriptors; returns 1 when anything was cut */
 static int split(const Desc *in, Py_ssize_t n, DescVec *out) {
     int cut = 0;
     out->n = 0;
@@ -2143,6 +2145,11 @@ static void seg_reset_state(Segment *s) {
     s->seg = -1;
 }
 
+/* the site of staged entry i: the list's n entries, then the raw ones */
+static inline PyObject *staged_site(Segment *s, PyObject *list, Py_ssize_t n, Py_ssize_t i) {
+    return i < n ? ((Entry *)PyList_GET_ITEM(list, i))->site : s->raw[i - n].site;
+}
+
 static PyObject *seg_finish(Segment *s, PyObject *unused) {
     s->bottom = s->cursor;
     if (s->slot) {
@@ -2160,17 +2167,10 @@ static PyObject *seg_finish(Segment *s, PyObject *unused) {
     /* count runs of one site at a time (a step's sites repeat in order): the list's
      * entries, then the raw ones */
     int err = 0;
-    for (Py_ssize_t i = 0; i < n && !err;) {
-        PyObject *site = ((Entry *)PyList_GET_ITEM(entries, i))->site;
+    for (Py_ssize_t i = 0, all = n + s->nraw; i < all && !err;) {
+        PyObject *site = staged_site(s, entries, n, i);
         Py_ssize_t j = i + 1;
-        while (j < n && ((Entry *)PyList_GET_ITEM(entries, j))->site == site) j++;
-        err = count_merged(s, site, j - i) < 0;
-        i = j;
-    }
-    for (Py_ssize_t i = 0, m = s->nraw; i < m && !err;) {
-        PyObject *site = s->raw[i].site;
-        Py_ssize_t j = i + 1;
-        while (j < m && s->raw[j].site == site) j++;
+        while (j < all && staged_site(s, entries, n, j) == site) j++;
         err = count_merged(s, site, j - i) < 0;
         i = j;
     }
