@@ -47,6 +47,25 @@ enum { MISS = 0, STAGED = 1, BARRIER = 2, FULL = -1, ORDER = -2 };
 
 static PyObject *ndarray_type; /* numpy.ndarray */
 
+/* An error raised by Python code the fast path called (a fingerprint, an attribute
+ * of the documented view protocol): an Exception is a miss (cleared, 0; the general
+ * path asks again and reports it), anything else (KeyboardInterrupt, SystemExit)
+ * stays set and is propagated (-1), as the pure-Python twin propagates it. */
+static inline int soft_clear(void) {
+    if (!PyErr_Occurred() || PyErr_ExceptionMatches(PyExc_Exception)) {
+        PyErr_Clear();
+        return 0;
+    }
+    return -1;
+}
+
+/* The calling thread's identity for step ownership: the thread state's id, which,
+ * unlike the thread ident, is never reused by a later thread (twin:
+ * cucopy.segment.thread_id). */
+static inline uint64_t thread_id(void) {
+    return PyThreadState_GetID(PyThreadState_Get());
+}
+
 /* tp_dealloc of a GC type whose tp_clear releases every field it holds */
 static void cleared_dealloc(PyObject *o) {
     PyObject_GC_UnTrack(o);
@@ -375,13 +394,16 @@ typedef struct {
     PyObject *ndescr;   /* the handle attribute's descriptor on tp */
     struct NGeo *nval;  /* the geometry the native getters read when cached */
     int nat_word;       /* its handle read from the object's own word (native_word) */
+    PyObject *flags;    /* with nat: descriptors of methods that must return False
+                         * (``fp.__cucopy_flags__``: torch's is_conj, is_neg, which
+                         * ``.data =`` may set in place), or NULL */
 } Cached;
 
 static void cached_dealloc(Cached *c) {
     Py_XDECREF(c->ref); Py_XDECREF(c->fp); Py_XDECREF(c->spec); Py_XDECREF(c->fpval);
     Py_XDECREF(c->descrs); Py_XDECREF((PyObject *)c->tp);
     Py_XDECREF(c->dtype); Py_XDECREF(c->geom); Py_XDECREF(c->vdtype);
-    Py_XDECREF(c->ndescr);
+    Py_XDECREF(c->ndescr); Py_XDECREF(c->flags);
     PyMem_Free(c->nval);
     Py_TYPE(c)->tp_free((PyObject *)c);
 }
@@ -542,13 +564,14 @@ static PyObject *native_descr(Native *n, PyTypeObject *tp) {
     return Py_NewRef(d);
 }
 
-/* the handle x's attribute gives (NULL: none, errors cleared) */
+/* the handle x's attribute gives (NULL: none; an Exception cleared, another
+ * BaseException left set) */
 static void *native_handle(Native *n, PyObject *descr, PyTypeObject *tp, PyObject *x) {
     PyObject *h = Py_TYPE(descr)->tp_descr_get(descr, x, (PyObject *)tp);
-    if (!h) { PyErr_Clear(); return NULL; }
+    if (!h) { soft_clear(); return NULL; } /* a BaseException stays set */
     void *impl = PyLong_AsVoidPtr(h);
     Py_DECREF(h);
-    if (!impl) PyErr_Clear();
+    if (!impl) soft_clear();
     return impl;
 }
 
@@ -600,7 +623,21 @@ static int native_same(Native *n, void *impl, const NGeo *was) {
     return 1;
 }
 
-/* 1 when x's fingerprint still matches, 0 when not (errors cleared: a miss) */
+/* 1 when each of c's flag methods returns False on x, 0 when one does not (an
+ * Exception cleared), -1 with another BaseException set */
+static int flags_clear(Cached *c, PyObject *x) {
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(c->flags); i++) {
+        PyObject *v = PyObject_Vectorcall(PyTuple_GET_ITEM(c->flags, i), &x, 1, NULL);
+        if (!v) return soft_clear();
+        Py_DECREF(v);
+        if (v != Py_False) return 0;
+    }
+    return 1;
+}
+
+/* 1 when x's fingerprint still matches, 0 when not (an Exception cleared: a miss),
+ * -1 with another BaseException set (KeyboardInterrupt: propagated). The caller holds
+ * c: the fingerprint may run Python code that empties the caches. */
 static int cached_valid(Cached *c, PyObject *x) {
     if (!weak_is(c->ref, x)) return 0;
     if (c->nat && Py_TYPE(x) == c->tp) {
@@ -609,8 +646,12 @@ static int cached_valid(Cached *c, PyObject *x) {
             impl = native_word(c->nat, x);
             native_word_reads++;
         }
-        if (!impl) impl = native_handle(c->nat, c->ndescr, c->tp, x);
-        return native_same(c->nat, impl, c->nval);
+        if (!impl) {
+            impl = native_handle(c->nat, c->ndescr, c->tp, x);
+            if (!impl && PyErr_Occurred()) return -1;
+        }
+        if (!native_same(c->nat, impl, c->nval)) return 0;
+        return c->flags ? flags_clear(c, x) : 1;
     }
     if (c->spec) {
         Py_ssize_t n = PyTuple_GET_SIZE(c->spec);
@@ -618,20 +659,50 @@ static int cached_valid(Cached *c, PyObject *x) {
             PyObject *item = PyTuple_GET_ITEM(c->spec, i);
             PyObject *v = spec_read(c, i, x, PyTuple_GET_ITEM(item, 0),
                                     PyTuple_GET_ITEM(item, 1) == Py_True);
-            if (!v) { PyErr_Clear(); return 0; }
+            if (!v) return soft_clear();
             PyObject *want = PyTuple_GET_ITEM(c->fpval, i);
             int eq = v == want ? 1 : PyObject_RichCompareBool(v, want, Py_EQ);
             Py_DECREF(v);
-            if (eq != 1) { if (eq < 0) PyErr_Clear(); return 0; }
+            if (eq != 1) return eq < 0 ? soft_clear() : 0;
         }
         return 1;
     }
     PyObject *v = PyObject_CallOneArg(c->fp, x);
-    if (!v) { PyErr_Clear(); return 0; }
+    if (!v) return soft_clear();
     int eq = PyObject_RichCompareBool(v, c->fpval, Py_EQ);
     Py_DECREF(v);
-    if (eq < 0) { PyErr_Clear(); return 0; }
+    if (eq < 0) return soft_clear();
     return eq;
+}
+
+static PyObject *s_flags; /* "__cucopy_flags__" */
+
+/* c->flags from fp's ``__cucopy_flags__`` (names of methods of tp that must return
+ * False: their bits change what the bytes mean, and the native getters do not read
+ * them): 0 resolved (or none declared), 1 not usable (the spec validates instead),
+ * -1 with a BaseException set */
+static int native_flags(Cached *c, PyObject *fp, PyTypeObject *tp) {
+    PyObject *names = PyObject_GetAttr(fp, s_flags);
+    if (!names) return soft_clear() < 0 ? -1 : 0;
+    int r = 1;
+    if (PyTuple_Check(names)) {
+        Py_ssize_t n = PyTuple_GET_SIZE(names);
+        PyObject *out = PyTuple_New(n);
+        r = out ? 0 : -1;
+        for (Py_ssize_t i = 0; out && i < n; i++) {
+            PyObject *d = PyObject_GetAttr((PyObject *)tp, PyTuple_GET_ITEM(names, i));
+            if (!d || !PyCallable_Check(d)) {
+                Py_XDECREF(d);
+                r = soft_clear() < 0 ? -1 : 1;
+                break;
+            }
+            PyTuple_SET_ITEM(out, i, d);
+        }
+        if (r == 0) c->flags = out;
+        else Py_XDECREF(out);
+    }
+    Py_DECREF(names);
+    return r;
 }
 
 static Cached *cached_new(PyObject *x, PyObject *fp, PyObject *dtype) {
@@ -653,18 +724,21 @@ static Cached *cached_new(PyObject *x, PyObject *fp, PyObject *dtype) {
     c->ndescr = NULL;
     c->nval = NULL;
     c->nat_word = 0;
+    c->flags = NULL;
     c->dtype = Py_NewRef(dtype);
     Native *nat = native_for(fp);
     if (nat) {
         c->ndescr = native_descr(nat, Py_TYPE(x));
         c->nval = c->ndescr ? PyMem_Malloc(sizeof(NGeo)) : NULL;
         void *impl = c->nval ? native_handle(nat, c->ndescr, Py_TYPE(x), x) : NULL;
-        if (impl && native_geo(nat, impl, c->nval)) {
+        if (!impl && PyErr_Occurred()) { Py_DECREF(c); return NULL; }
+        if (impl && native_geo(nat, impl, c->nval) && native_flags(c, fp, Py_TYPE(x)) == 0) {
             c->nat = nat; /* else the spec below validates it */
             c->nat_word = nat->word_off >= 0 &&
                           Py_TYPE(x)->tp_basicsize >= nat->word_off + (Py_ssize_t)sizeof(void *) &&
                           native_word(nat, x) == impl;
         }
+        if (PyErr_Occurred()) { Py_DECREF(c); return NULL; }
     }
     PyObject *spec = PyObject_GetAttr(fp, s_spec);
     if (spec && PyTuple_Check(spec)) {
@@ -674,7 +748,7 @@ static Cached *cached_new(PyObject *x, PyObject *fp, PyObject *dtype) {
         c->descrs = spec_descrs(spec, c->tp);
     } else {
         Py_XDECREF(spec);
-        PyErr_Clear();
+        if (soft_clear() < 0) { Py_DECREF(c); return NULL; }
         c->fpval = PyObject_CallOneArg(fp, x);
     }
     if (!c->fpval) { Py_DECREF(c); return NULL; }
@@ -763,7 +837,7 @@ typedef struct {
     int fast, wide;
     int64_t headroom; /* free bytes the bound slot has before its first byte (slot.headroom) */
     int64_t open_lo;  /* the first free byte when the open segment was opened */
-    unsigned long owner; /* the thread whose step is open */
+    uint64_t owner; /* the thread whose step is open (thread_id) */
     int64_t top, bottom, cursor, seg, data0, reserve, size;
     int64_t peak; /* the largest table cut since the copier last read it */
     /* streaming stores (a cache hint, see stage_nt): data staged at or past this many
@@ -779,6 +853,7 @@ typedef struct {
     int listed; /* Python holds the list this segment: fast copies append to it at once */
     Ranges writes, reads;
     PyObject *dcache, *scache; /* id -> Cached */
+    PyObject *capq, *caparg;   /* the stream's capture query (set_capture_query), or NULL */
     PyObject *vtypes;          /* type -> view protocol (see view_geo) */
     Front dfront, sfront;      /* direct-mapped caches in front of dcache and scache */
 } Segment;
@@ -837,6 +912,7 @@ static int seg_traverse(Segment *s, visitproc visit, void *arg) {
     Py_VISIT(s->entries); Py_VISIT(s->spare);
     for (Py_ssize_t i = 0; i < s->nraw; i++) { Py_VISIT(s->raw[i].site); Py_VISIT(s->raw[i].on_drop); }
     Py_VISIT(s->dcache); Py_VISIT(s->scache); Py_VISIT(s->vtypes);
+    Py_VISIT(s->capq); Py_VISIT(s->caparg);
     return 0; /* the fronts hold Cached entries only: they reference nothing back */
 }
 
@@ -855,6 +931,7 @@ static int seg_clear(Segment *s) {
     Py_CLEAR(s->entries); Py_CLEAR(s->spare);
     raw_drop(s);
     Py_CLEAR(s->dcache); Py_CLEAR(s->scache); Py_CLEAR(s->vtypes);
+    Py_CLEAR(s->capq); Py_CLEAR(s->caparg);
     front_clear(&s->dfront);
     front_clear(&s->sfront);
     return 0;
@@ -999,6 +1076,11 @@ static PyObject *seg_bind(Segment *s, PyObject *slot) {
     Py_DECREF(top);
     Py_DECREF(bottom);
     if (PyErr_Occurred()) { seg_release(s); return NULL; }
+    /* clamped to the exported bytes: a slot whose top claims more is not trusted */
+    if (s->top > s->size) s->top = s->size;
+    if (s->top < 0) s->top = 0;
+    if (s->bottom > s->top) s->bottom = s->top;
+    if (s->bottom < 0) s->bottom = 0;
     s->cursor = 0;
     s->seg = -1;
     Py_RETURN_NONE;
@@ -1140,7 +1222,9 @@ static PyObject *seg_remember_src(Segment *s, PyObject *const *args, Py_ssize_t 
     }
     c->ndim = ndim;
     if (ndim > 0) memcpy(c->shape, shape, (size_t)ndim * sizeof(int64_t));
-    c->geom = Py_NewRef(args[2]); /* keeps the bytes alive while cached */
+    /* no reference to the bytes' owner (the view holds the tensor): the entry is used
+     * only while its weak reference still names src, whose bytes are then alive at
+     * the address its fingerprint still gives (a dropped input is not kept) */
     c->ptr = ptr;
     c->nbytes = nbytes;
     if (PyDict_GET_SIZE(s->scache) >= DCACHE_MAX) {
@@ -1275,7 +1359,10 @@ typedef struct {
     int ndim; /* the destination's shape (-1: unknown) */
     const int64_t *shape; /* the cache entry's, or buf's (a view's, computed) */
     int64_t buf[MAXDIM];
-    PyObject *dtype; /* borrowed from the cache entry */
+    PyObject *dtype; /* the cache entry's (hold keeps it) */
+    PyObject *hold;  /* a strong reference to the cache entry the fields above come from:
+                      * Python code the fast path calls (a fingerprint, a view's
+                      * attributes) may empty the caches (close() in a shutdown hook) */
 } Geo;
 
 /* The copier's shape rule, as far as the fast path follows it: a flat source (one
@@ -1294,8 +1381,9 @@ static int shape_fits(int sn, const Py_ssize_t *ss, int dn, const int64_t *ds) {
 /* _layout.form: a view as rows of width bytes, pitch apart; 0 when it is not one */
 static int form(const int64_t *shape, const int64_t *strides, int ndim, int64_t itemsize,
                 int64_t *rows_out, int64_t *width_out, int64_t *pitch_out) {
-    int64_t n_[16], s_[16];
+    int64_t n_[MAXDIM + 1], s_[MAXDIM + 1]; /* ndim <= MAXDIM, plus one appended below */
     int k = 0;
+    if (ndim < 0 || ndim > MAXDIM) return 0;
     for (int i = 0; i < ndim; i++)
         if (shape[i] != 1) { n_[k] = shape[i]; s_[k] = strides[i]; k++; }
     if (!k) { *rows_out = 1; *width_out = *pitch_out = itemsize; return 1; }
@@ -1336,10 +1424,11 @@ static int ints(PyObject *seq, int64_t *out, int max) {
 static int view_geo(Segment *s, PyObject *dst, PyObject *vspec, Geo *g) {
     if (!PyTuple_Check(vspec) || PyTuple_GET_SIZE(vspec) != 9) return 0;
     PyObject *base = PyObject_GetAttr(dst, PyTuple_GET_ITEM(vspec, 0));
-    if (!base) { PyErr_Clear(); return 0; }
+    if (!base) return soft_clear();
     if (base == Py_None) { Py_DECREF(base); return 0; }
     Cached *b = (Cached *)front_get(&s->dfront, s->dcache, base);
     if (!b && PyErr_Occurred()) { Py_DECREF(base); return -1; }
+    Py_XINCREF(b); /* held: the reads below run Python code */
     int ok = 0;
     PyObject *dt = NULL, *p = NULL, *shape = NULL, *strides = NULL;
     int64_t sh[MAXDIM], st[MAXDIM];
@@ -1401,10 +1490,12 @@ static int view_geo(Segment *s, PyObject *dst, PyObject *vspec, Geo *g) {
     g->kind = g->rows == 1 ? KIND_H2D : KIND_H2D_2D;
     g->dtype = b->dtype;
     g->itemsize = b->itemsize;
+    g->hold = Py_NewRef((PyObject *)b);
     ok = 1;
 out:
-    if (ok == 0) PyErr_Clear();
+    if (ok == 0 && soft_clear() < 0) ok = -1;
     Py_XDECREF(dt); Py_XDECREF(p); Py_XDECREF(shape); Py_XDECREF(strides);
+    Py_XDECREF(b);
     Py_DECREF(base);
     return ok;
 }
@@ -1415,7 +1506,14 @@ HOT_INLINE int dst_geo(Segment *s, PyObject *dst, Geo *gp) {
     Cached *c = (Cached *)front_get(&s->dfront, s->dcache, dst);
     int r;
     if (c) {
-        if (!c->kind || !cached_valid(c, dst)) return 0;
+        if (!c->kind) return 0;
+        Py_INCREF(c); /* held: cached_valid may run Python code */
+        r = cached_valid(c, dst);
+        if (r <= 0) {
+            Py_DECREF(c);
+            return r;
+        }
+        gp->hold = (PyObject *)c;
         gp->ptr = c->ptr; gp->lo = c->lo; gp->hi = c->hi; gp->rows = c->rows; gp->width = c->width;
         gp->pitch = c->pitch; gp->nbytes = c->nbytes; gp->kind = c->kind; gp->dtype = c->dtype;
         gp->itemsize = c->itemsize;
@@ -1439,24 +1537,61 @@ HOT_INLINE int dst_geo(Segment *s, PyObject *dst, Geo *gp) {
 
 static void seg_open(Segment *s);
 
+static PyObject *seg_set_capture_query(Segment *s, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "set_capture_query(fn, arg)");
+        return NULL;
+    }
+    Py_XSETREF(s->capq, args[0] == Py_None ? NULL : Py_NewRef(args[0]));
+    Py_XSETREF(s->caparg, Py_NewRef(args[1]));
+    Py_RETURN_NONE;
+}
+
+/* Before a fast copy opens a segment: whether the copier's stream is (still) not
+ * capturing. A capture that began after begin() would leave the copies staged now out
+ * of the graph (they would land once, outside it, at the flush): the general path
+ * then refuses the copy. Asked once a segment (~0.1 us on the GPU's host), not once a
+ * copy. 1 idle, 0 capturing or cannot tell, -1 a BaseException set. */
+static int seg_capture_idle(Segment *s) {
+    if (!s->capq) return 1;
+    PyObject *st = PyObject_CallOneArg(s->capq, s->caparg);
+    if (!st) return soft_clear();
+    int idle = st == Py_False;
+    if (!idle && PyLong_CheckExact(st)) {
+        int overflow;
+        idle = PyLong_AsLongLongAndOverflow(st, &overflow) == 0 && !overflow;
+        PyErr_Clear(); /* (an int's overflow, not Python code) */
+    }
+    Py_DECREF(st);
+    return idle;
+}
+
+/* the segment still takes fast copies: the step open, its slot bound, the caller
+ * the thread whose step it is */
+static inline int seg_usable(Segment *s) {
+    return s->fast && s->bound && s->owner == thread_id();
+}
+
 /* try_h2d (skip = 0) and try_skip (skip = 1): the same checks; only try_h2d stages.
  * MISS, STAGED or BARRIER, or -1 with an error set. */
 static int h2d_fast(Segment *s, PyObject *site, PyObject *dst, PyObject *src,
                     PyObject *on_drop, int skip) {
-    if (!s->fast || !s->bound || s->owner != PyThread_get_thread_ident() ||
-        (on_drop != Py_None && !PyCallable_Check(on_drop)))
-        return MISS;
+    if (!seg_usable(s) || (on_drop != Py_None && !PyCallable_Check(on_drop))) return MISS;
     int fl = site_flags(s, site);
-    if (fl < 0 || !(fl & SITE_MERGE)) {
-        if (fl < 0) PyErr_Clear();
-        return MISS;
-    }
+    if (fl < 0 || !(fl & SITE_MERGE)) return fl < 0 && soft_clear() < 0 ? -1 : MISS;
     Geo g;
     int r = dst_geo(s, dst, &g);
     if (r <= 0) return r < 0 ? -1 : MISS;
     r = 0;
-    Py_INCREF(g.dtype);
-    if (s->seg < 0) seg_open(s);
+    /* dst_geo may have run Python code (a fingerprint, a view's attributes) that
+     * closed the copier or ended the step: asked again before anything is staged */
+    if (!seg_usable(s)) goto miss;
+    if (s->seg < 0) {
+        int idle = seg_capture_idle(s);
+        if (idle <= 0) { if (idle < 0) goto fail; goto miss; }
+        if (!seg_usable(s)) goto miss; /* the query is Python code on some backends */
+        seg_open(s);
+    }
     if ((PyObject *)Py_TYPE(src) == ndarray_type &&
         ((NpArray *)src)->descr == g.dtype) { /* the usual case: read the array's fields */
         NpArray *a = (NpArray *)src;
@@ -1477,12 +1612,13 @@ static int h2d_fast(Segment *s, PyObject *site, PyObject *dst, PyObject *src,
                                        g.hi, g.nbytes, g.kind, a->data, a->strides[0]);
     } else if ((PyObject *)Py_TYPE(src) == ndarray_type) {
         PyObject *dt = PyObject_GetAttr(src, s_dtype);
-        if (!dt) { PyErr_Clear(); goto miss; }
+        if (!dt) goto soft;
         int eq = dt == g.dtype ? 1 : PyObject_RichCompareBool(dt, g.dtype, Py_EQ);
         Py_DECREF(dt);
-        if (eq != 1) { if (eq < 0) PyErr_Clear(); goto miss; }
+        if (eq != 1) { if (eq < 0) goto soft; goto miss; }
         Py_buffer b;
-        if (PyObject_GetBuffer(src, &b, PyBUF_C_CONTIGUOUS) < 0) { PyErr_Clear(); goto miss; }
+        if (PyObject_GetBuffer(src, &b, PyBUF_C_CONTIGUOUS) < 0) goto soft;
+        if (!seg_usable(s)) { PyBuffer_Release(&b); goto miss; }
         if (b.len == g.nbytes && shape_fits(b.ndim, b.shape, g.ndim, g.shape))
             r = skip ? 1
                      : append_raw(s, site, on_drop, g.ptr, g.rows, g.width, g.pitch, g.lo, g.hi,
@@ -1493,28 +1629,34 @@ static int h2d_fast(Segment *s, PyObject *site, PyObject *dst, PyObject *src,
         if (!sc) { if (PyErr_Occurred()) goto fail; goto miss; }
         Py_INCREF(sc);
         /* (a cached shape is read as Py_ssize_t: as wide, see MAXDIM's assertion) */
+        int v = 0;
         if (sc->nbytes == g.nbytes && sc->ndim >= 0 &&
-            shape_fits(sc->ndim, (const Py_ssize_t *)sc->shape, g.ndim, g.shape) &&
-            cached_valid(sc, src)) {
+            shape_fits(sc->ndim, (const Py_ssize_t *)sc->shape, g.ndim, g.shape))
+            v = cached_valid(sc, src);
+        if (v == 1) {
             int eq = sc->dtype == g.dtype ? 1 : PyObject_RichCompareBool(sc->dtype, g.dtype, Py_EQ);
-            if (eq < 0) PyErr_Clear();
-            if (eq == 1 && skip) r = 1;
+            if (eq < 0 && soft_clear() < 0) v = -1;
+            else if (eq == 1 && !seg_usable(s)) v = 0; /* closed by the code just run */
+            else if (eq == 1 && skip) r = 1;
             else if (eq == 1)
                 r = append_raw(s, site, on_drop, g.ptr, g.rows, g.width, g.pitch, g.lo, g.hi,
                                g.nbytes, g.kind, (const void *)(uintptr_t)sc->ptr);
         }
         Py_DECREF(sc);
+        if (v < 0) goto fail;
     }
-    Py_DECREF(g.dtype);
+    Py_DECREF(g.hold);
     if (r < 0) return -1;
     if (r == 0) return MISS;
     if (skip) return STAGED;
     return fl & SITE_BARRIER ? BARRIER : STAGED;
+soft:
+    if (soft_clear() < 0) goto fail;
 miss:
-    Py_DECREF(g.dtype);
+    Py_DECREF(g.hold);
     return MISS;
 fail:
-    Py_DECREF(g.dtype);
+    Py_DECREF(g.hold);
     return -1;
 }
 
@@ -1527,13 +1669,13 @@ static PyObject *seg_try_fill(Segment *s, PyObject *const *args, Py_ssize_t narg
         return NULL;
     }
     PyObject *site = args[0], *dst = args[1], *on_drop = args[4];
-    if (!s->fast || !s->bound || s->owner != PyThread_get_thread_ident() ||
+    if (!s->fast || !s->bound || s->owner != thread_id() ||
         !PyLong_CheckExact(args[2]) || !PyLong_CheckExact(args[3]) ||
         (on_drop != Py_None && !PyCallable_Check(on_drop)))
         return PyLong_FromLong(MISS);
     int in = contains(s->fills, site);
     if (in != 1) {
-        if (in < 0) PyErr_Clear();
+        if (in < 0 && soft_clear() < 0) return NULL;
         return PyLong_FromLong(MISS);
     }
     int overflow = 0;
@@ -1543,14 +1685,22 @@ static PyObject *seg_try_fill(Segment *s, PyObject *const *args, Py_ssize_t narg
     int r = dst_geo(s, dst, &g);
     if (r <= 0) return r < 0 ? NULL : PyLong_FromLong(MISS);
     PyObject *out = NULL;
+    if (!seg_usable(s)) goto miss; /* closed or ended by the code dst_geo ran */
     int64_t it = g.itemsize, size = g.nbytes / (it ? it : 1);
     PyObject *kind = PyObject_GetAttrString(g.dtype, "kind");
-    if (!kind) { PyErr_Clear(); goto miss; }
+    if (!kind) goto soft;
     int signed_ = PyUnicode_CompareWithASCIIString(kind, "i") == 0;
     int unsigned_ = PyUnicode_CompareWithASCIIString(kind, "u") == 0;
     Py_DECREF(kind);
     if ((!signed_ && !unsigned_) || (it != 1 && it != 2 && it != 4 && it != 8) || start >= size)
         goto miss;
+    if (it > 1) { /* the pattern below is in the host's order: a swapped dtype is the
+                   * general path's (its pattern comes from NumPy, in the dtype's order) */
+        PyObject *native = PyObject_GetAttrString(g.dtype, "isnative");
+        if (!native) goto soft;
+        Py_DECREF(native);
+        if (native != Py_True) goto miss;
+    }
     uint64_t pattern;
     int bits = (int)(8 * it);
     if (signed_) {
@@ -1561,7 +1711,7 @@ static PyObject *seg_try_fill(Segment *s, PyObject *const *args, Py_ssize_t narg
     } else {
         if (_PyLong_Sign(args[3]) < 0) goto miss;
         unsigned long long v = PyLong_AsUnsignedLongLong(args[3]);
-        if (v == (unsigned long long)-1 && PyErr_Occurred()) { PyErr_Clear(); goto miss; }
+        if (v == (unsigned long long)-1 && PyErr_Occurred()) goto soft;
         if (bits < 64 && v >= (1ULL << bits)) goto miss;
         pattern = v;
     }
@@ -1604,7 +1754,16 @@ static PyObject *seg_try_fill(Segment *s, PyObject *const *args, Py_ssize_t narg
         nparts++;
     }
     if (!first) { Py_DECREF(descs); goto fail; }
-    if (s->seg < 0) seg_open(s);
+    if (s->seg < 0) {
+        int idle = seg_capture_idle(s);
+        if (idle <= 0 || !seg_usable(s)) {
+            Py_DECREF(descs);
+            Py_DECREF(first);
+            if (idle < 0) goto fail;
+            goto miss;
+        }
+        seg_open(s);
+    }
     PyObject *st = Py_BuildValue("(OOKKOiOi)", site, on_drop, (unsigned long long)lo,
                                  (unsigned long long)hi, nparts == 1 ? first : Py_None, 0, descs,
                                  0);
@@ -1624,10 +1783,15 @@ static PyObject *seg_try_fill(Segment *s, PyObject *const *args, Py_ssize_t narg
     in = contains(s->barriers, site);
     if (in < 0) goto fail;
     out = PyLong_FromLong(in ? BARRIER : STAGED);
+    Py_DECREF(g.hold);
     return out;
+soft:
+    if (soft_clear() < 0) goto fail;
 miss:
+    Py_DECREF(g.hold);
     return PyLong_FromLong(MISS);
 fail:
+    Py_DECREF(g.hold);
     return NULL;
 }
 
@@ -2252,7 +2416,7 @@ static int seg_set_fast(Segment *s, PyObject *v, void *c) {
     int b = PyObject_IsTrue(v);
     if (b < 0) return -1;
     s->fast = b;
-    s->owner = PyThread_get_thread_ident(); /* set by the thread that opens the step */
+    s->owner = thread_id(); /* set by the thread that opens the step */
     return 0;
 }
 
@@ -2278,6 +2442,8 @@ static PyGetSetDef seg_getset[] = {
 
 static PyMethodDef seg_methods[] = {
     {"bind", (PyCFunction)seg_bind, METH_O, "Start staging into a slot."},
+    {"set_capture_query", (PyCFunction)(void (*)(void))seg_set_capture_query, METH_FASTCALL,
+     "set_capture_query(fn, arg): asked as fn(arg) before a fast copy opens a segment."},
     {"flush_carried", (PyCFunction)(void (*)(void))seg_flush_carried, METH_FASTCALL,
      "cut(), then launch the segment carried through a launcher capsule when it fits."},
     {"unbind", (PyCFunction)seg_unbind, METH_NOARGS, "Forget the slot."},
@@ -2731,7 +2897,7 @@ static inline PyObject *weak_target(PyObject *ref) {
 #endif
 }
 
-static PyObject *fastupdate_call(FastUpdate *f, PyObject *const *args, size_t nargsf,
+static PyObject *fastupdate_body(FastUpdate *f, PyObject *const *args, size_t nargsf,
                                  PyObject *kwnames) {
     Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
     if (nargs < 2 || nargs > 6) goto rest;
@@ -2767,7 +2933,7 @@ static PyObject *fastupdate_call(FastUpdate *f, PyObject *const *args, size_t na
     Py_DECREF(c); /* the context keeps it */
     if (!same_copier || Py_TYPE(sego) != &SegmentType) goto rest;
     Segment *s = (Segment *)sego;
-    if (!s->fast || !s->bound || s->owner != PyThread_get_thread_ident()) goto rest;
+    if (!s->fast || !s->bound || s->owner != thread_id()) goto rest;
     /* the host values: a NumPy array, or a source the segment knows (a torch CPU tensor) */
     const char *hdata;
     Py_ssize_t n;
@@ -2786,7 +2952,11 @@ static PyObject *fastupdate_call(FastUpdate *f, PyObject *const *args, size_t na
         sc = (Cached *)front_get(&s->sfront, s->scache, host);
         if (!sc) { if (PyErr_Occurred()) return NULL; goto rest; }
         Py_INCREF(sc);
-        if (sc->ndim < 0 || sc->nbytes % b->fitem || !cached_valid(sc, host)) goto rest_sc;
+        if (sc->ndim < 0 || sc->nbytes % b->fitem) goto rest_sc;
+        int v = cached_valid(sc, host);
+        if (v < 0) goto fail_sc;
+        /* the fingerprint may have run Python code that closed the copier */
+        if (!v || !s->fast || !s->bound || s->owner != thread_id()) goto rest_sc;
         n = (Py_ssize_t)(sc->nbytes / b->fitem);
         hdata = (const char *)(uintptr_t)sc->ptr;
         hnd = sc->ndim;
@@ -2794,7 +2964,10 @@ static PyObject *fastupdate_call(FastUpdate *f, PyObject *const *args, size_t na
     }
     if (hdtype != b->fdtype) {
         int eq = b->fdtype ? PyObject_RichCompareBool(hdtype, b->fdtype, Py_EQ) : 0;
-        if (eq != 1) { if (eq < 0) PyErr_Clear(); goto rest_sc; }
+        if (eq != 1) {
+            if (eq < 0 && soft_clear() < 0) goto fail_sc;
+            goto rest_sc;
+        }
     }
     if (n <= 0 || n > b->fsize) goto rest_sc;
     /* the record */
@@ -2871,6 +3044,18 @@ rest_sc:
     Py_XDECREF(sc);
 rest:
     return PyObject_Vectorcall(f->rest, args, nargsf, kwnames);
+}
+
+/* update(): the body, with the buffer's route held while it runs (a fingerprint it
+ * calls may replace the route, and with it the last reference to the segment) */
+static PyObject *fastupdate_call(FastUpdate *f, PyObject *const *args, size_t nargsf,
+                                 PyObject *kwnames) {
+    PyObject *route = NULL;
+    if (PyVectorcall_NARGS(nargsf) >= 1 && PyObject_TypeCheck(args[0], &BufferCoreType))
+        route = Py_XNewRef(((BufferCore *)args[0])->froute);
+    PyObject *r = fastupdate_body(f, args, nargsf, kwnames);
+    Py_XDECREF(route);
+    return r;
 }
 
 static PyObject *fastupdate_new(PyTypeObject *tp, PyObject *args, PyObject *kw) {
@@ -3494,10 +3679,10 @@ static int not_capturing(CopierCore *c, CarriedLauncher *L) {
 
 /* 1: no step is open, or the open one is thread me's (as the Python
  * ``not (c._in_step and c._owner != me)``); 0: another thread's, or not plain fields */
-static int step_is_callers(CopierCore *c, unsigned long me) {
+static int step_is_callers(CopierCore *c, uint64_t me) {
     if (c->in_step == Py_False) return 1;
     if (c->in_step != Py_True || !c->owner || !PyLong_CheckExact(c->owner)) return 0;
-    unsigned long owner = PyLong_AsUnsignedLong(c->owner);
+    unsigned long long owner = PyLong_AsUnsignedLongLong(c->owner);
     if (PyErr_Occurred()) {
         PyErr_Clear();
         return 0;
@@ -3512,7 +3697,7 @@ static PyObject *copiercore_begin_fast(CopierCore *c, PyObject *unused) {
         c->checker != Py_None || !c->ring || !PyObject_TypeCheck(c->ring, &RingCoreType) ||
         !c->stats)
         Py_RETURN_FALSE;
-    unsigned long me = PyThread_get_thread_ident();
+    uint64_t me = thread_id();
     if (!step_is_callers(c, me)) Py_RETURN_FALSE;
     Segment *seg = (Segment *)c->seg;
     if (nstaged(seg)) Py_RETURN_FALSE; /* staged: flushed first */
@@ -3548,7 +3733,7 @@ static PyObject *copiercore_begin_fast(CopierCore *c, PyObject *unused) {
     }
     if (adv == 0) Py_RETURN_FALSE;
     /* the step is open from here: the fields as DeviceCopier._advance sets them */
-    PyObject *owner = PyLong_FromUnsignedLong(me);
+    PyObject *owner = PyLong_FromUnsignedLongLong(me);
     if (!owner) return NULL;
     if (cap_for != cap_for0 || cap != cap0) { /* a slot of another size (rare) */
         PyObject *f = PyLong_FromLongLong(cap_for), *k = f ? PyLong_FromLongLong(cap) : NULL;
@@ -3627,7 +3812,7 @@ static PyObject *copiercore_take_counts(CopierCore *c, PyObject *unused) {
 static PyObject *copiercore_flush_fast(CopierCore *c, PyObject *unused) {
     if (c->closed != Py_False || !c->seg || Py_TYPE(c->seg) != &SegmentType ||
         c->checker != Py_None || !c->ring || !PyObject_TypeCheck(c->ring, &RingCoreType) ||
-        !step_is_callers(c, PyThread_get_thread_ident()))
+        !step_is_callers(c, thread_id()))
         Py_RETURN_FALSE;
     Segment *seg = (Segment *)c->seg;
     RingCore *ring = (RingCore *)c->ring;
@@ -3891,7 +4076,8 @@ static PyObject *stepcore_exit(StepCore *st, PyObject *const *args, Py_ssize_t n
     PyObject *o = st->copier;
     if (args[0] != Py_None || st->graph != Py_None || !o ||
         !PyObject_TypeCheck(o, &CopierCoreType) || !((CopierCore *)o)->seg ||
-        Py_TYPE(((CopierCore *)o)->seg) != &SegmentType)
+        Py_TYPE(((CopierCore *)o)->seg) != &SegmentType ||
+        !step_is_callers((CopierCore *)o, thread_id())) /* another thread's: _exit refuses */
         return PyObject_VectorcallMethod(
             s_exit, (PyObject *[]){(PyObject *)st, args[0], args[1], args[2]}, 4, NULL);
     CopierCore *c = (CopierCore *)o;
@@ -3991,7 +4177,14 @@ static PyObject *mod_native_word_reads(PyObject *m, PyObject *unused) {
     return PyLong_FromLongLong(native_word_reads);
 }
 
+static PyObject *mod_thread_id(PyObject *m, PyObject *unused) {
+    return PyLong_FromUnsignedLongLong(thread_id());
+}
+
 static PyMethodDef module_methods[] = {
+    {"thread_id", mod_thread_id, METH_NOARGS,
+     "The calling thread's id for step ownership: never reused by a later thread "
+     "(twin of cucopy.segment.py_thread_id)."},
     {"_native_word_reads", mod_native_word_reads, METH_NOARGS,
      "Cached tensors validated through the handle word they hold (native_word), so far."},
     {NULL},
@@ -4055,7 +4248,8 @@ PyMODINIT_FUNC PyInit__segment(void) {
     s_spec = PyUnicode_InternFromString("__cucopy_spec__");
     s_view = PyUnicode_InternFromString("__cucopy_view__");
     s_native = PyUnicode_InternFromString("__cucopy_native__");
-    if (!s_native) return NULL;
+    s_flags = PyUnicode_InternFromString("__cucopy_flags__");
+    if (!s_native || !s_flags) return NULL;
     if (!s_dtype || !s_spec || !s_view) return NULL;
     PyObject *m = PyModule_Create(&moduledef);
     if (!m) return NULL;

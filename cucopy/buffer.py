@@ -16,7 +16,6 @@ through the buffer that overlaps another record trims or drops that record.
 from __future__ import annotations
 
 import weakref
-from threading import get_ident as _get_ident
 
 import numpy as np
 
@@ -317,7 +316,7 @@ def _py_fast_update(buf, host, exact) -> bool | None:
     if c is None or route[0]() is not c:
         return None
     seg = route[2]
-    if type(seg) is not _segment.PySegment or not seg._fast or seg.owner != _get_ident():
+    if type(seg) is not _segment.PySegment or not seg._fast or seg.owner != _segment.thread_id():
         return None
     if type(host) is np.ndarray:
         if not host.flags.c_contiguous:
@@ -325,8 +324,13 @@ def _py_fast_update(buf, host, exact) -> bool | None:
         arr = host
     else:  # a source the segment knows (a torch CPU tensor), still what it was
         ent = seg.scache.get(id(host))
-        if ent is None or ent[0]() is not host or ent[1](host) != ent[2]:
+        try:  # an Exception from the fingerprint is a miss, as in the segment
+            if ent is None or ent[0]() is not host or ent[1](host) != ent[2]:
+                return None
+        except Exception:
             return None
+        if not seg._fast or seg.owner != _segment.thread_id():
+            return None  # the fingerprint closed the copier or ended its step
         arr = ent[3]
     dtype = buf._fdtype
     if arr.dtype is not dtype and arr.dtype != dtype:

@@ -22,13 +22,13 @@ from .segment import CopierCore as _CompiledCopierCore
 from .segment import FastCopy as _FastCopy
 from .segment import FastRoute as _FastRoute
 from .segment import StepCore as _CompiledStepCore
+from .segment import thread_id as _thread_id
 from .sites import CopySite, Direction
 from .stats import CopyStats
 
 __all__ = ["DeviceCopier", "copy", "fill_tail", "flush", "active_copier"]
 
 _H2D, _D2D, _FILL = Direction.H2D, Direction.D2D, Direction.FILL
-_get_ident = threading.get_ident
 FLUSH_MODES = ("auto", "dma", "mapped", "inline")
 
 #: ``CUCOPY_NO_NT=1`` at import: no streaming stores (see DeviceCopier._nt_from)
@@ -114,7 +114,7 @@ class _Step(_StepCore):  # type: ignore[misc,valid-type]
     def _enter(self) -> DeviceCopier:
         c = self._copier
         graph = self._graph
-        if c._closed or (c._in_step and c._owner != _get_ident()):
+        if c._closed or (c._in_step and c._owner != _thread_id()):
             c._live()  # raises
         if graph is not None and (not isinstance(graph, GraphFeed) or graph._copier is not c):
             raise ValueError(
@@ -125,22 +125,29 @@ class _Step(_StepCore):  # type: ignore[misc,valid-type]
             raise CopyError(
                 "step(): a step() block of this copier is already open; nested step() "
                 "blocks are refused (the inner exit would end the outer step). Use "
-                "flush() for a barrier inside the step"
+                "flush() for a barrier inside the step (after a step() block that an "
+                "interrupt cut short, discard() ends it)"
             )
-        c.begin()
-        if graph is not None:
-            if c._capturing:
-                c.discard()
-                raise CopyError(
-                    "step(graph=...): the copier's stream is capturing; a graph step feeds "
-                    "a replay, so run it outside the capture"
-                )
-            c._feed = graph
-        c._stepping = True
+        c._stepping = True  # first: an interrupt anywhere below leaves it to the except
+        try:
+            c.begin()
+            if graph is not None:
+                if c._capturing:
+                    c.discard()
+                    raise CopyError(
+                        "step(graph=...): the copier's stream is capturing; a graph step "
+                        "feeds a replay, so run it outside the capture"
+                    )
+                c._feed = graph
+        except BaseException:
+            c._stepping = False
+            raise
         return c
 
     def _exit(self, tp, exc, tb) -> bool:
         c = self._copier
+        if c._in_step and c._owner != _thread_id():
+            c._live()  # raises: another thread's exit must not end the owner's step
         c._stepping = False
         if tp is not None:
             try:
@@ -413,6 +420,8 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
         merge_h2d = frozenset(s for s in self._merge if s.direction is _H2D)
         merge_fill = frozenset(s for s in self._merge if s.direction is _FILL)
         self._seg = Segment(merge_h2d, self._barriers, merge_fill)
+        # asked before a fast copy opens a segment: a capture begun after begin()
+        self._seg.set_capture_query(self._cap_query, self._cap_arg)
         self.stats.pending.append(self._seg.fold)  # its merged counts, read with stats.sites
         # the totals the compiled begin() and flush() count in C, read with stats' totals
         self.stats.pending_totals.append(self._take_counts)
@@ -484,6 +493,13 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
         """
         if self._closed:
             return
+        if self._in_step and self._owner != _thread_id():
+            # flushing, forgetting and freeing under a step another thread has open
+            # would pull the slot from under its copies
+            raise CopyError(
+                "close(): this copier's step belongs to another thread; close it from "
+                "that thread, after its step (one copier per thread)"
+            )
         try:
             if self._seg.staged:
                 self._flush_segment()
@@ -528,7 +544,7 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
         if self._closed:
             who = f"{_label(site)}: " if site is not None else ""
             raise CopyError(f"{who}the copier is closed")
-        if self._in_step and self._owner != threading.get_ident():
+        if self._in_step and self._owner != _thread_id():
             who = f"{_label(site)}: " if site is not None else ""
             raise CopyError(
                 f"{who}this copier's step belongs to another thread; use one copier "
@@ -550,7 +566,7 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
         """
         if self._begin_fast():  # the common step, compiled (see PyCopierCore._begin_fast)
             return
-        me = _get_ident()
+        me = _thread_id()
         if self._closed or (self._in_step and self._owner != me):
             self._live()  # raises
         seg = self._seg
@@ -659,7 +675,7 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
             if slot is not None and slot.dirty:
                 self._ring.record(self._stream)
             return
-        if self._closed or (self._in_step and self._owner != _get_ident()):
+        if self._closed or (self._in_step and self._owner != _thread_id()):
             self._live()  # raises
         seg = self._seg
         if not seg.staged and self._checker is None:
@@ -691,10 +707,11 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
         CopyError
             If an ``on_drop`` callback raised (every callback still runs).
         """
-        if self._in_step and self._owner != _get_ident():
+        if self._in_step and self._owner != _thread_id():
             self._live()
         entries = self._seg.reset()
-        self._in_step = self._seg.fast = False
+        # also the step() block's mark: discard() repairs a block an interrupt cut short
+        self._in_step = self._seg.fast = self._stepping = False
         if self._checker is not None and self._slot is not None:
             # snapshot copies may still be queued: free their buffers when the slot
             # comes round (check mode synchronizes anyway)
@@ -1004,7 +1021,7 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
 
     def _copy_general(self, site, dst, src, unchanged, on_drop) -> bool:
         """``copy()`` past the fast path: validate, resolve, cache, then dispatch."""
-        if self._closed or (self._in_step and self._owner != _get_ident()):
+        if self._closed or (self._in_step and self._owner != _thread_id()):
             self._live(site)
         direction = self._site(site, False)
         d = self._dst(site, dst)
@@ -1419,7 +1436,7 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
             self._advance()
         self._in_step = True
         self._capturing = False  # the caller saw the stream not capturing
-        self._owner = _get_ident()
+        self._owner = _thread_id()
         try:
             if fill is not None:
                 self._eager_fill(site, d, fill[0], fill[1], None)
@@ -1442,6 +1459,10 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
         Returns ``(entry, offset)``, or ``(None, -1)`` when the slot is full.
         """
         seg = self._seg
+        if seg.seg < 0:
+            # a segment opens: a capture that began since begin() would leave what is
+            # staged now out of its graph (the fast path asks here too)
+            self._refuse_capture_change(site)
         for _ in range(2):
             r = seg.stage(site, on_drop, lo, hi, geom, nbytes, descs, h2d)
             if r == ORDER:
@@ -1496,6 +1517,7 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
         checker = self._checker
         mode = self.flush_mode
         cmax = self._carry_max
+        landed = False
         try:
             pin = slot.pinned
             if cut is None:
@@ -1518,19 +1540,27 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
                 start, end, nblocks, n = cut
                 how = self._land(start, end, nblocks, n, mode, cmax, slot, pin)
                 total = end - start
+            landed = True
+            if how != "inline":
+                # the launch reads the slot when it runs: the slot's event must follow
+                # it. An inline launch took its bytes at enqueue, so it needs no event
+                # (one fewer stream operation a step), and the slot may be rewritten.
+                slot.dirty = True
+            self.stats.add_segment(how, total)
+            entries = None  # the segment recycles entries no one else holds (compiled twin)
+            seg.finish()
         except BaseException as exc:
+            if landed:
+                # launched, then interrupted (KeyboardInterrupt) before the segment was
+                # closed: close it now, or the next flush would cut it again
+                slot.dirty = True
+                if seg.seg >= 0:
+                    seg.finish()
+                raise
             err = self._flush_error(entries, exc)
             if err is exc:
                 raise  # a CopyError already names the site; KeyboardInterrupt stays one
             raise err from exc
-        if how != "inline":
-            # the launch reads the slot when it runs: the slot's event must follow it.
-            # An inline launch took its bytes at enqueue, so it needs no event (one
-            # fewer stream operation a step), and the slot may be rewritten at once.
-            slot.dirty = True
-        self.stats.add_segment(how, total)
-        del entries  # the segment recycles entries no one else holds (compiled twin)
-        seg.finish()
 
     def _land(self, start, end, nblocks, n, mode, cmax, slot, pin) -> str:
         """Launch a cut segment by ``mode``'s path; returns the path taken."""

@@ -18,10 +18,13 @@ reference. :data:`IMPLEMENTATION` says which (``"compiled"`` or ``"python"``).
 from __future__ import annotations
 
 import bisect
+import ctypes
+import itertools
 import os
+import threading
 import weakref
-from threading import get_ident as _get_ident
 
+import numpy as np
 from numpy import ndarray as _ndarray
 
 from . import pack
@@ -211,6 +214,8 @@ class PySegment:
         "dcache",
         "scache",
         "vtypes",
+        "capq",
+        "caparg",
     )
 
     def __init__(self, merge, barriers, fills=frozenset()):
@@ -239,6 +244,23 @@ class PySegment:
         self.dcache: dict = {}
         self.scache: dict = {}
         self.vtypes: dict = {}  # type -> view protocol (see _view)
+        self.capq = self.caparg = None  # the stream's capture query (set_capture_query)
+
+    def set_capture_query(self, fn, arg) -> None:
+        """Ask ``fn(arg)`` (false or 0: not capturing) before a fast copy opens a segment.
+
+        A graph capture that began on the copier's stream after ``begin()`` would leave
+        the copies staged during it out of the graph (they would land once, outside it,
+        at the flush); asked once a segment, the fast path then leaves such a copy to
+        the general path, which refuses it. ``fn`` None: never asked.
+        """
+        self.capq = fn
+        self.caparg = arg
+
+    def _capturing(self) -> bool:
+        """Whether the stream is capturing (or cannot tell), before a segment opens."""
+        q = self.capq
+        return q is not None and bool(q(self.caparg))
 
     @property
     def fast(self) -> bool:
@@ -252,16 +274,17 @@ class PySegment:
     @fast.setter
     def fast(self, value: bool) -> None:
         self._fast = bool(value)
-        self.owner = _get_ident()
+        self.owner = thread_id()
 
     # -- the slot ------------------------------------------------------------------------
 
     def bind(self, slot) -> None:
         """Start staging into ``slot`` (fresh from the ring: nothing staged)."""
         self.slot = slot
-        self.mv = slot.mv
-        self.top = slot.top
-        self.bottom = slot.bottom
+        self.mv = mv = slot.mv
+        # clamped to the slot's bytes: a slot whose top claims more is not trusted
+        self.top = top = max(0, min(slot.top, mv.nbytes))
+        self.bottom = max(0, min(slot.bottom, top))
         self.cursor = 0
         self.seg = -1
 
@@ -399,16 +422,23 @@ class PySegment:
             A view of ``src``'s bytes; only a C-contiguous one is cached.
         dtype : numpy.dtype
         """
-        if not host.flags.c_contiguous:
-            return
-        try:
-            ref = weakref.ref(src)
-        except TypeError:
+        if not host.flags.c_contiguous or not host.nbytes:
             return
         cache = self.scache
+        key = id(src)
+
+        def gone(ref, cache=cache, key=key):  # the source was collected: drop its entry
+            ent = cache.get(key)
+            if ent is not None and ent[0] is ref:
+                del cache[key]
+
+        try:
+            ref = weakref.ref(src, gone)
+        except TypeError:
+            return
         if len(cache) >= DCACHE_MAX:
             cache.clear()
-        cache[id(src)] = (ref, fp, fp(src), host, dtype)
+        cache[key] = (ref, fp, fp(src), _unowned(host), dtype)
 
     def forget(self) -> None:
         """Clear the destination and source caches."""
@@ -423,7 +453,10 @@ class PySegment:
         ent = self.dcache.get(id(dst))
         if ent is None:
             return self._view(dst)
-        if ent[0]() is not dst or ent[1](dst) != ent[2] or ent[3] is None:
+        try:  # an Exception from the fingerprint is a miss (the general path asks again)
+            if ent[0]() is not dst or ent[1](dst) != ent[2] or ent[3] is None:
+                return None
+        except Exception:
             return None
         return ent
 
@@ -443,7 +476,7 @@ class PySegment:
         """
         if (
             not self._fast
-            or self.owner != _get_ident()
+            or self.owner != thread_id()
             or site not in self.fills
             or type(start) is not int
             or type(value) is not int
@@ -451,12 +484,14 @@ class PySegment:
         ):
             return MISS
         ent = self._dst_entry(dst)
-        if ent is None:
+        if ent is None or not self._fast or self.owner != thread_id():
             return MISS
         dtype = ent[7]
         it = dtype.itemsize
         if dtype.kind not in "iu" or it not in (1, 2, 4, 8) or not 0 <= start < ent[8]:
             return MISS
+        if it > 1 and not dtype.isnative:
+            return MISS  # the pattern below is little-endian: NumPy's for the general path
         bits = 8 * it
         lo_v, hi_v = (-(1 << (bits - 1)), 1 << (bits - 1)) if dtype.kind == "i" else (0, 1 << bits)
         if not lo_v <= value < hi_v:
@@ -468,6 +503,8 @@ class PySegment:
         hi = last[0] + (last[1] - 1) * last[3] + last[2]
         descs = [(p[0], 0, pattern, p[3], 0, p[2], p[1], pack.KIND_FILL, it, 0) for p in parts]
         if self.seg < 0 and self.slot is not None:
+            if self._capturing() or not self._fast:
+                return MISS  # the general path refuses it (a capture began after begin())
             self._open()
         r = self.stage(site, on_drop, lo, hi, parts[0] if len(parts) == 1 else None, 0, descs)
         if not isinstance(r, tuple):
@@ -501,7 +538,7 @@ class PySegment:
         """
         if (
             not self._fast
-            or self.owner != _get_ident()
+            or self.owner != thread_id()
             or site not in self.merge
             or (on_drop is not None and not callable(on_drop))
         ):
@@ -509,16 +546,23 @@ class PySegment:
         ent = self._dst_entry(dst)
         if ent is None:
             return MISS
-        if self.seg < 0 and self.slot is not None:
-            self._open()
         if type(src) is not _ndarray:
             # a source seen before (a torch CPU tensor), still what it was
             s = self.scache.get(id(src))
-            if s is None or s[0]() is not src or s[1](src) != s[2]:
+            try:
+                if s is None or s[0]() is not src or s[1](src) != s[2]:
+                    return MISS
+            except Exception:
                 return MISS
             dtype, src = s[4], s[3]
         else:
             dtype = src.dtype
+        if not self._fast or self.owner != thread_id():
+            return MISS  # the code just run (a fingerprint) closed the copier or its step
+        if self.seg < 0 and self.slot is not None:
+            if self._capturing() or not self._fast:
+                return MISS  # the general path refuses it (a capture began after begin())
+            self._open()
         if dtype != ent[7] or src.size != ent[8] or not fits_shape(ent[11], src.shape):
             return MISS
         if skip:
@@ -777,6 +821,40 @@ class PySegment:
 
 IMPLEMENTATION = "python"
 Segment = PySegment
+
+
+def _unowned(host):
+    """``host``'s bytes as an array that holds no reference to their owner.
+
+    A cached source's entry must not keep the caller's tensor alive (a fresh input
+    each step would pile up); it is read only while its weak reference still names
+    the source, whose bytes are then alive at the address its fingerprint still gives.
+    """
+    raw = (ctypes.c_char * host.nbytes).from_address(host.ctypes.data)
+    return np.frombuffer(raw, dtype=host.dtype).reshape(host.shape)
+
+
+_thread_ids = itertools.count(1)
+_thread_local = threading.local()
+
+
+def py_thread_id() -> int:
+    """The calling thread's id for step ownership (the twin of ``_segment.thread_id``).
+
+    Unlike :func:`threading.get_ident`, which CPython hands to a new thread once the
+    old one has ended, this id is never reused: a step left open by a thread that
+    died is never taken to be a new thread's.
+    """
+    try:
+        return _thread_local.id
+    except AttributeError:
+        i = _thread_local.id = next(_thread_ids)
+        return i
+
+
+#: the calling thread's id for step ownership (compiled with the compiled segment)
+thread_id = py_thread_id
+
 #: ``DeviceCopier.copy``'s compiled fast path (None with the pure-Python segment)
 FastCopy = None
 #: ``cucopy.copy``'s compiled routing to the active copier (None with the pure-Python segment)
@@ -814,4 +892,5 @@ if not os.environ.get("CUCOPY_PURE_PYTHON"):
         CopierCore = _compiled.CopierCore
         StepCore = _compiled.StepCore
         Activation = _compiled.Activation
+        thread_id = _compiled.thread_id
         IMPLEMENTATION = "compiled"

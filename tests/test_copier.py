@@ -792,7 +792,9 @@ def test_flush_with_nothing_staged_queries_nothing():
     dst = dev.zeros((4,), np.int32)
     with c.step():
         c.copy(S.A, dst, np.arange(4, dtype=np.int32))
-    assert len(calls) == 3  # begin() and a flush with a segment to land
+    # begin(), the segment's opening (a capture begun since begin() is refused) and a
+    # flush with a segment to land
+    assert len(calls) == 4
     assert dev.to_host(dst).tolist() == [0, 1, 2, 3]
     c.close()
 

@@ -164,6 +164,14 @@ def _resolve_numpy(x, stream=None) -> ArrayInfo:
     return info
 
 
+def _refuse_masked(x, stream=None) -> ArrayInfo:
+    raise TypeError(
+        f"{type(x).__module__}.{type(x).__qualname__} of dtype {x.dtype}, shape "
+        f"{x.shape}: a masked array's masked elements have no defined values; copy "
+        "x.filled(value), or x.data for the bytes as they are"
+    )
+
+
 def _resolve_self(x, stream=None) -> ArrayInfo:
     return x.__cucopy_array__()
 
@@ -195,7 +203,7 @@ def _lookup(tp):
     if hasattr(tp, "__cucopy_array__"):
         fn = _resolve_self
     elif issubclass(tp, np.ndarray):
-        fn = _resolve_numpy
+        fn = _refuse_masked if issubclass(tp, np.ma.MaskedArray) else _resolve_numpy
     else:
         mod = _library(tp)
         if mod is not None:

@@ -88,7 +88,17 @@ def _label(x) -> str:
         dev = str(x.device)
     except Exception:  # tensor subclasses without a device
         dev = "?"
-    return f"torch.Tensor({dev}, {x.dtype}, shape={tuple(x.shape)})"
+    try:
+        shape = tuple(x.shape)
+    except Exception:  # nested tensors have no single shape
+        shape = "?"
+    return f"torch.Tensor({dev}, {x.dtype}, shape={shape})"
+
+
+def _fake(x) -> bool:
+    """Whether ``x`` is a FakeTensor (no data: a tracing stand-in)."""
+    mod = sys.modules.get("torch._subclasses.fake_tensor")
+    return mod is not None and isinstance(x, mod.FakeTensor)
 
 
 def _refuse(x) -> None:
@@ -97,6 +107,8 @@ def _refuse(x) -> None:
         raise TypeError(f"{_label(x)}: {x.layout} tensors are not supported, only strided ones")
     if x.is_nested:
         raise TypeError(f"{_label(x)}: nested tensors are not supported")
+    if _fake(x):
+        raise TypeError(f"{_label(x)}: a FakeTensor has no data to copy")
     if x.is_conj() or x.is_neg():
         raise TypeError(
             f"{_label(x)}: the tensor has its lazy conjugate/negative bit set, so its bytes "
@@ -140,6 +152,7 @@ def resolve(x, stream=None) -> ArrayInfo:
         or x.is_nested
         or x.is_conj()
         or x.is_neg()
+        or (type(x) is not torch.Tensor and _fake(x))
     ):
         _refuse(x)
     dt = _numpy_dtype(x)
@@ -161,10 +174,13 @@ def resolve(x, stream=None) -> ArrayInfo:
         info._label = lambda: f"torch.Tensor(cuda:{dev}, {x.dtype}, shape={shape})"
     else:
         t = x.detach() if x.requires_grad else x
-        if t.dtype in _EXTENSION:
-            host = t.view(_VIEW_AS[item]).numpy().view(dt)
-        else:
-            host = t.numpy()
+        try:
+            if t.dtype in _EXTENSION:
+                host = t.view(_VIEW_AS[item]).numpy().view(dt)
+            else:
+                host = t.numpy()
+        except RuntimeError as e:  # a subclass whose bytes NumPy cannot read
+            raise TypeError(f"{_label(x)}: NumPy cannot read the tensor's bytes ({e})") from None
         info = _new_info(_HostTensorInfo)
         info.device = None
         info.host = host
@@ -220,9 +236,10 @@ def fingerprint(x):
     """What must be unchanged for a cached description of ``x`` to hold.
 
     ``resize_``, ``set_`` and ``as_strided_`` change a tensor's geometry in place,
-    and ``.data =`` may swap in a tensor of another dtype; each changes one of these.
+    and ``.data =`` may swap in a tensor of another dtype, or a lazy conjugate or
+    negative view of the same bytes (``x.data = x.conj()``); each changes one of these.
     """
-    return (x.data_ptr(), x.shape, x.stride(), x.dtype)
+    return (x.data_ptr(), x.shape, x.stride(), x.dtype, x.is_conj(), x.is_neg())
 
 
 # The same, as attributes to read (name, whether to call it): the compiled segment
@@ -232,7 +249,13 @@ fingerprint.__cucopy_spec__ = (
     ("shape", False),
     ("stride", True),
     ("dtype", False),
+    ("is_conj", True),
+    ("is_neg", True),
 )
+# Methods that must return False for a cached tensor read through the native getters
+# (below), which do not see these bits: a conjugate or negative view's bytes are not
+# its values.
+fingerprint.__cucopy_flags__ = ("is_conj", "is_neg")
 # How to read a view made afresh (``buf[:n]``) of a tensor seen before: its base
 # (``_base``), address (``data_ptr()``), ``shape`` and ``stride()`` in elements, and
 # its ``dtype``, which must be the base's; ``is_neg()`` and ``is_conj()`` must be
