@@ -90,3 +90,12 @@ def test_slim_results_keeps_tables_and_drops_samples(tmp_path):
     assert "host_samples" not in out and out["sizes"] == list(range(16))
     assert not (run / "plot.png").exists()
     assert (run / "bench.log").read_text() == "table\n"
+
+
+@pytest.mark.parametrize("name", ["CHANGELOG.md", "docs/graph_feeds.md"])
+def test_user_pages_carry_no_internal_references(name):
+    import re
+
+    text = (ROOT / name).read_text()
+    for pattern in (r"\bissue \d+", r"\bsession \d+", r"\bruns? \d+\b"):
+        assert not re.search(pattern, text, re.I), f"{name}: {pattern}"
