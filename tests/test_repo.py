@@ -15,18 +15,33 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
-RESULTS_LIMIT = 10 * 1000 * 1000  # bytes: the README's promise for bench/results
+RESULTS_LIMIT = 10 * 1000 * 1000  # bytes: the limit for bench/results
+TREE_LIMIT = 15 * 1000 * 1000  # bytes: every tracked file, what a fresh clone checks out
 
 sys.path.insert(0, str(ROOT))
 
 
+def _tracked(under: str = ".") -> list[Path] | None:
+    """The tracked files under ``under``; None outside a git checkout."""
+    proc = subprocess.run(["git", "ls-files", "-z", under], cwd=ROOT, capture_output=True)
+    if proc.returncode != 0 or not proc.stdout:
+        return None
+    paths = [ROOT / p for p in proc.stdout.decode().split("\0") if p]
+    return [p for p in paths if p.is_file()]
+
+
 def _results_files() -> list[Path]:
     """The tracked files of bench/results (every file there outside a git checkout)."""
-    proc = subprocess.run(["git", "ls-files", "-z", "bench/results"], cwd=ROOT, capture_output=True)
-    if proc.returncode == 0 and proc.stdout:
-        paths = [ROOT / p for p in proc.stdout.decode().split("\0") if p]
-        return [p for p in paths if p.is_file()]
-    return [p for p in RESULTS.rglob("*") if p.is_file()]
+    tracked = _tracked("bench/results")
+    return tracked if tracked is not None else [p for p in RESULTS.rglob("*") if p.is_file()]
+
+
+def test_tracked_tree_stays_small():
+    tracked = _tracked()
+    if tracked is None:
+        pytest.skip("not a git checkout")
+    total = sum(p.stat().st_size for p in tracked)
+    assert total <= TREE_LIMIT, f"the tracked tree holds {total / 1e6:.1f} MB"
 
 
 def test_stored_results_stay_small():
