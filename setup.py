@@ -7,34 +7,54 @@ The extension is optional: without a compiler the install still succeeds, says
 so once, and cucopy runs its pure-Python twin (``cucopy.segment.PySegment``).
 """
 
+import sys
+
+import setuptools
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
+# pyproject.toml's SPDX ``license = "Apache-2.0"`` needs setuptools 77. A build with
+# isolation (pip's default) gets it from [build-system]; one without isolation uses the
+# environment's, whose older releases fail with an opaque ``project.license`` error.
+_SETUPTOOLS = tuple(int(p) for p in setuptools.__version__.split(".")[:2] if p.isdigit())
+if _SETUPTOOLS < (77,):
+    sys.exit(
+        f"cucopy: building needs setuptools >= 77, found {setuptools.__version__}: run "
+        "pip install 'setuptools>=77' first, or build with isolation (drop "
+        "--no-build-isolation)"
+    )
+
+#: what each optional extension gives, and what runs without it
+_WHAT = {
+    "cucopy._segment": "the compiled staging core (without it: the pure-Python staging "
+    "path, slower on the host, same results)",
+    "cucopy.backends._cudacall": "the CUDA backend's compiled driver calls (without them: "
+    "CuPy's wrappers, slower on the host, same results)",
+}
+
 
 class OptionalBuildExt(build_ext):
-    """``build_ext`` that turns a failed compile into one warning."""
+    """``build_ext`` that turns failed compiles into one warning naming each extension."""
 
     def run(self):
+        self._failed = {}
         try:
             super().run()
-        except Exception as exc:  # no compiler at all (distutils raises before compiling)
-            _warn(exc)
+        except Exception as exc:  # no compiler at all (raised before any extension)
+            for ext in self.extensions:
+                self._failed.setdefault(ext.name, exc)
+        if self._failed:
+            lines = [f"  {name}: {_WHAT[name]} ({exc})" for name, exc in self._failed.items()]
+            print(
+                "WARNING: cucopy: not built, so cucopy runs without them:\n" + "\n".join(lines),
+                file=sys.stderr,
+            )
 
     def build_extension(self, ext):
         try:
             super().build_extension(ext)
         except Exception as exc:
-            _warn(exc)
-
-
-def _warn(exc) -> None:
-    import sys
-
-    print(
-        f"WARNING: cucopy: the compiled staging core was not built ({exc}); "
-        "cucopy will use its pure-Python staging path (slower on the host, same results).",
-        file=sys.stderr,
-    )
+            self._failed[ext.name] = exc
 
 
 setup(

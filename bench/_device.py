@@ -140,7 +140,7 @@ class GpuContext(Context):
     def __init__(self, device: int = 0):
         import cupy
 
-        from cucopy.backends.cuda import CudaBackend
+        from cucopy.backends.cuda import CudaBackend, cupy_stream
 
         self.cp = cupy
         self.rt = cupy.cuda.runtime
@@ -165,7 +165,7 @@ class GpuContext(Context):
         else:
             self.stream_obj = cupy.cuda.Stream(non_blocking=True)
             self.handle = int(self.stream_obj.ptr)
-        self.cp_stream = cupy.cuda.ExternalStream(self.handle, device)
+        self.cp_stream = cupy_stream(cupy, self.handle, device)
         self.cp_stream.use()
         self.backend = CudaBackend(device)
         self._events = []

@@ -171,7 +171,7 @@ step host_ratio 60 "$PY" bench/host_ratio.py --steps 1000 --json "$work/bench/ho
 step graph_feed 45 "$PY" bench/probes/graph_feed.py --n 32 --json "$work/bench/graph_feed.json"
 for ex in examples/*.py; do
     [[ -f "$ex" ]] || continue
-    [[ $(basename "$ex") == hf_continuous_batching.py ]] && continue # its own steps below
+    [[ $(basename "$ex") == hf_continuous_batching.py ]] && continue # bench/hf_ab.py below
     step "example_$(basename "$ex" .py)" 60 env PYTHONPATH=. "$PY" "$ex"
 done
 
@@ -182,7 +182,7 @@ if "$PY" -c "import transformers" 2>/dev/null; then
     # --bound: also a variant that uploads nothing (its tokens are not compared), the
     # floor under any upload path's step ratio in the same run; 7 rounds, rotated
     for mode in async sync; do
-        step "hf_$mode" 110 env PYTHONPATH=. "$PY" examples/hf_continuous_batching.py \
+        step "hf_$mode" 110 env PYTHONPATH=. "$PY" bench/hf_ab.py \
             --mode "$mode" --bound --pairs 7 --watchdog 100 \
             --json "$work/bench/hf_continuous_batching-$mode.json"
     done

@@ -880,7 +880,8 @@ if not os.environ.get("CUCOPY_PURE_PYTHON"):
         logging.getLogger("cucopy").warning(
             "cucopy: the compiled staging core (cucopy._segment) is not built; using the "
             "pure-Python staging path: same results, more host time per copy. Reinstall "
-            "with a C compiler (pip install -e .), or set CUCOPY_PURE_PYTHON=1 to choose it."
+            "cucopy where a C compiler is present (from a checkout: pip install .), or set "
+            "CUCOPY_PURE_PYTHON=1 to choose the pure-Python path and silence this."
         )
     else:
         Segment = _compiled.Segment

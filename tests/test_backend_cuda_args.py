@@ -141,3 +141,51 @@ def test_graph_launch_dispatches_by_kind(monkeypatch):
     assert calls == [(0xABC, 0x77), "callable"]
     with pytest.raises(TypeError, match="graph: expected a cudaGraphExec_t"):
         be.graph_launch(object(), 0x77)
+
+
+class _FakeCupy:
+    """Just enough of ``cupy.cuda`` to see which stream constructor a backend calls."""
+
+    def __init__(self, new_api: bool):
+        calls = self.calls = []
+
+        class Device:
+            def __init__(self, ordinal):
+                self.ordinal = ordinal
+
+            def __enter__(self):
+                calls.append(("device", self.ordinal))
+
+            def __exit__(self, *exc):
+                calls.append(("device_exit", self.ordinal))
+
+        class Stream:
+            pass
+
+        if new_api:
+
+            def from_external(obj):
+                calls.append(("from_external", obj.__cuda_stream__()))
+                return "stream"
+
+            Stream.from_external = staticmethod(from_external)
+
+        def external_stream(ptr, device):
+            calls.append(("ExternalStream", ptr, device))
+            return "old stream"
+
+        self.cuda = types.SimpleNamespace(
+            Device=Device, Stream=Stream, ExternalStream=external_stream
+        )
+
+
+def test_cupy_stream_prefers_from_external_over_the_deprecated_external_stream():
+    fake = _FakeCupy(new_api=True)
+    assert cuda_backend.cupy_stream(fake, 0xABC, 1) == "stream"
+    assert fake.calls == [("device", 1), ("from_external", (0, 0xABC)), ("device_exit", 1)]
+
+
+def test_cupy_stream_falls_back_to_external_stream_on_older_cupy():
+    fake = _FakeCupy(new_api=False)
+    assert cuda_backend.cupy_stream(fake, 0xABC, 1) == "old stream"
+    assert fake.calls == [("ExternalStream", 0xABC, 1)]

@@ -1,5 +1,7 @@
 """examples/hf_continuous_batching.py on the CPU: the seam into transformers and its site map.
 
+Also bench/hf_ab.py, its A/B harness, run on the CPU.
+
 No GPU here, so no cucopy copier: the route runs with the example's ``PlainCopier`` (each
 call done at once on CPU tensors) and these tests check what the route asks of it.
 Sync mode runs ``generate_batch`` itself on the CPU; async mode's ``HostDeviceIOPair``
@@ -26,6 +28,7 @@ torch = pytest.importorskip("torch")
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "hf_continuous_batching.py"
+HARNESS = ROOT / "bench" / "hf_ab.py"
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +43,19 @@ def ex():
     finally:
         sys.modules.pop("_example_hf_continuous_batching", None)
         sys.path.remove(str(ROOT))
+
+
+@pytest.fixture(scope="module")
+def ab(ex):
+    """bench/hf_ab.py (it imports the seam by its own name)."""
+    spec = importlib.util.spec_from_file_location("_bench_hf_ab", HARNESS)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.modules.pop("_bench_hf_ab", None)
 
 
 def small_args(ex, **kw):
@@ -129,8 +145,9 @@ def within(view, base) -> bool:
 # -- the pin and the plan ----------------------------------------------------------------------------
 
 
-def test_docstring_has_usage():
-    text = EXAMPLE.read_text()
+@pytest.mark.parametrize("path", [EXAMPLE, HARNESS], ids=["example", "harness"])
+def test_docstring_has_usage(path):
+    text = path.read_text()
     assert '"""' in text.splitlines()[0]
     assert "Usage:" in text.split('"""')[1]
 
@@ -242,10 +259,10 @@ def test_sync_seam_broken_is_caught(ex, engine, site, buffer):
     assert any(buffer in d for d in differences), differences
 
 
-def test_null_copier_routes_every_site_and_writes_nothing(ex, engine):
+def test_null_copier_routes_every_site_and_writes_nothing(ex, ab, engine):
     # --bound's no_upload variant: the route runs, every site is asked, nothing lands
-    null = ex.NullCopier()
-    route = ex.CucopyRoute(engine.processor, null, raw_min_bytes=ex.NO_RAW)
+    null = ab.NullCopier()
+    route = ex.CucopyRoute(engine.processor, null, raw_min_bytes=ab.NO_RAW)
     _, differences = routed_run(engine, route)
     assert null.steps == len(differences) > 3
     assert set(null._counts) == set(ex.Site) - {ex.Site.CARRY_OVER, ex.Site.BLOCK_TABLE}
@@ -430,12 +447,38 @@ def test_async_pair_refuses_another_stream(ex, engine):
 # -- the script ----------------------------------------------------------------------------------
 
 
-def test_script_on_the_cpu(tmp_path):
+def test_example_on_the_cpu():
+    proc = subprocess.run(
+        [sys.executable, str(EXAMPLE), "--cpu", "--requests", "4", "--new-tokens", "4"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    assert "match: sync mode, 4 requests" in proc.stdout
+    assert "PlainCopier" in proc.stdout
+
+
+def test_build_manager_gives_a_kept_manager_to_route(ex):
+    with ex.build_manager("sync", 3, requests=2, device="cpu") as engine:
+        assert len(engine.reference) == 2 and all(len(t) == 3 for t in engine.reference)
+        copier = ex.PlainCopier()
+        with ex.CucopyRoute(engine.processor, copier):
+            assert engine.generate() == engine.reference
+        assert copier.steps >= 3
+    with pytest.raises(ValueError, match="async batching needs a CUDA device"):
+        ex.build_manager("async", device="cpu")
+    with pytest.raises(ValueError, match="mode must be 'async' or 'sync', got 'fast'"):
+        ex.build_manager("fast")
+
+
+def test_harness_on_the_cpu(tmp_path):
     out = tmp_path / "hf.json"
     proc = subprocess.run(
         [
             sys.executable,
-            str(EXAMPLE),
+            str(HARNESS),
             "--cpu",
             "--requests",
             "5",

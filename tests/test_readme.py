@@ -1,8 +1,10 @@
 """Every Python block of the README runs: the quickstart here, the GPU one under ``pytest -m gpu``.
 
-A block preceded by ``<!-- test: gpu -->`` needs torch with CUDA and CuPy; the others must run
-on a machine without a GPU. Each runs as a program of its own, in a fresh process, from an
-empty folder (as a newcomer saving it to a file would run it).
+A block preceded by ``<!-- test: gpu -->`` needs torch with CUDA and CuPy; one preceded by
+``<!-- test: fragment -->`` calls into the reader's own engine (placeholder names) and is
+compiled, not run; the others must run on a machine without a GPU. Each runs as a program
+of its own, in a fresh process, from an empty folder (as a newcomer saving it to a file
+would run it). The README's shape is checked too: its length and where adoption starts.
 """
 
 from __future__ import annotations
@@ -17,21 +19,24 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
+#: a page whose Python blocks run too (moved out of the README)
+GRAPH_FEEDS = (ROOT / "docs" / "graph_feeds.md").read_text()
 
 _BLOCK = re.compile(r"(?:<!-- test: (?P<mark>\w+) -->\n)?```python\n(?P<code>.*?)```", re.S)
 
 
-def _blocks():
+def _blocks(page: str, prefix: str = ""):
     out = []
-    for m in _BLOCK.finditer(README):
-        heading = re.findall(r"^#+ (.+)$", README[: m.start()], re.M)[-1]
-        slug = re.sub(r"[^a-z0-9]+", "_", heading.lower()).strip("_")
+    for m in _BLOCK.finditer(page):
+        heading = re.findall(r"^#+ (.+)$", page[: m.start()], re.M)[-1]
+        slug = prefix + re.sub(r"[^a-z0-9]+", "_", heading.lower()).strip("_")
         marks = [pytest.mark.gpu] if m.group("mark") == "gpu" else []
         out.append(pytest.param(m.group("code"), m.group("mark"), id=slug, marks=marks))
     return out
 
 
-BLOCKS = _blocks()
+BLOCKS = _blocks(README)
+ALL_BLOCKS = BLOCKS + _blocks(GRAPH_FEEDS, prefix="graph_feeds-")
 
 
 def _run(code: str, tmp_path: Path) -> subprocess.CompletedProcess:
@@ -55,8 +60,11 @@ def _torch_cuda() -> bool:
     return subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0
 
 
-@pytest.mark.parametrize(("code", "mark"), BLOCKS)
+@pytest.mark.parametrize(("code", "mark"), ALL_BLOCKS)
 def test_readme_block_runs(code, mark, tmp_path):
+    if mark == "fragment":
+        compile(code, "README.md", "exec")  # its names are the reader's: it cannot run
+        return
     if mark == "gpu" and not _torch_cuda():
         pytest.skip("needs torch with CUDA and CuPy")
     proc = _run(code, tmp_path)
@@ -101,3 +109,17 @@ def test_readme_results_come_from_the_latest_stored_run():
     run = readme_table.latest_run()
     assert run.name == latest
     assert readme_table.table(run) in results
+
+
+def test_readme_is_short_and_adoption_comes_early():
+    lines = README.splitlines()
+    assert len(lines) <= 300
+    start = next(i for i, line in enumerate(lines, 1) if line.startswith("## Adopting"))
+    assert start < 120
+    # at most the profiler's block is a fragment: everything else runs
+    assert [p.values[1] for p in BLOCKS].count("fragment") <= 1
+
+
+def test_readme_has_no_internal_references():
+    for pattern in (r"\bissue \d+", r"\bruns? \d+\b", r"\bsession \d+", r"the issue's"):
+        assert not re.search(pattern, README, re.I), pattern

@@ -6,7 +6,7 @@ Usage:
 Question: in ``examples/hf_continuous_batching.py`` the routed upload
 (``CucopyRoute.upload``, called from the engine's own thread) cost 214-238 us a step
 against 103-110 us for the engine's own ``transfer_inputs_h2d`` (runs 28 and 29,
-``hf_async.log``). Which calls take it? Runs the example with every routed upload
+``hf_async.log``). Which calls take it? Runs ``bench/hf_ab.py`` with every routed upload
 under a cProfile profiler (enabled in the calling thread, call by call), then prints the
 profile's top entries by own time and the median host us per upload (check mode's run
 left out). Answer, first run (``bench/results/2026-12-01-h200-hfprof/``, made before the
@@ -57,7 +57,11 @@ def main(argv=None) -> int:
             spent.append(time.perf_counter() - t0)
 
     ex.CucopyRoute.upload = profiled
-    rc = ex.main(["--mode", args.mode, "--pairs", str(args.pairs), "--flush-mode", args.flush_mode])
+    from bench import hf_ab
+
+    rc = hf_ab.main(
+        ["--mode", args.mode, "--pairs", str(args.pairs), "--flush-mode", args.flush_mode]
+    )
     if spent:
         spent.sort()
         print(

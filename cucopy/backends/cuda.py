@@ -160,6 +160,41 @@ class _NoSuchError(Exception):
     pass
 
 
+class _StreamHandle:
+    """A raw stream handle offered through the CUDA stream protocol (``__cuda_stream__``)."""
+
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr: int):
+        self.ptr = ptr
+
+    def __cuda_stream__(self) -> tuple:
+        return (0, self.ptr)
+
+
+def cupy_stream(cupy, handle: int, device: int):
+    """A CuPy stream object over a raw stream handle of ``device`` (not owned).
+
+    ``cupy.cuda.Stream.from_external`` where CuPy has it: CuPy 14 deprecates
+    ``ExternalStream`` and warns at each construction (the GPU suite printed ten
+    thousand such warnings from graph replays). Older CuPy: ``ExternalStream``.
+
+    Parameters
+    ----------
+    cupy : module
+        The ``cupy`` module.
+    handle : int
+        A ``cudaStream_t``.
+    device : int
+        The ordinal the stream belongs to.
+    """
+    stream_cls = cupy.cuda.Stream
+    if hasattr(stream_cls, "from_external"):
+        with cupy.cuda.Device(device):  # from_external takes the current device's id
+            return stream_cls.from_external(_StreamHandle(handle))
+    return cupy.cuda.ExternalStream(handle, device)
+
+
 def _load():
     global _cupy, _rt, _drv, _RuntimeError, _DriverError, _CompileError, _getDevice, _launch
     if _cupy is None:
@@ -1132,7 +1167,7 @@ class CudaBackend(Backend):
                 )
             graph.replay()
         elif mod == "cupy" and hasattr(graph, "launch"):
-            graph.launch(_cupy.cuda.ExternalStream(stream, self.device))
+            graph.launch(cupy_stream(_cupy, stream, self.device))
         elif callable(graph):
             graph()
         else:
