@@ -527,8 +527,9 @@ static Native *native_for(PyObject *fp) {
     Native *n = &natives[nnatives];
     memset(n, 0, sizeof(*n));
     PyObject *t = PyObject_GetAttr(fp, s_native);
-    if (!t) PyErr_Clear();
-    else if (PyTuple_Check(t) && (PyTuple_GET_SIZE(t) == 6 || PyTuple_GET_SIZE(t) == 7) &&
+    if (!t) {
+        if (soft_clear() < 0) return NULL; /* (a BaseException: the caller sees it set) */
+    } else if (PyTuple_Check(t) && (PyTuple_GET_SIZE(t) == 6 || PyTuple_GET_SIZE(t) == 7) &&
              PyUnicode_Check(PyTuple_GET_ITEM(t, 0))) {
         void *f[5];
         int ok = 1;
@@ -727,6 +728,7 @@ static Cached *cached_new(PyObject *x, PyObject *fp, PyObject *dtype) {
     c->flags = NULL;
     c->dtype = Py_NewRef(dtype);
     Native *nat = native_for(fp);
+    if (!nat && PyErr_Occurred()) { Py_DECREF(c); return NULL; }
     if (nat) {
         c->ndescr = native_descr(nat, Py_TYPE(x));
         c->nval = c->ndescr ? PyMem_Malloc(sizeof(NGeo)) : NULL;
@@ -1062,7 +1064,7 @@ static PyObject *seg_bind(Segment *s, PyObject *slot) {
         s->headroom = h && PyLong_CheckExact(h) ? PyLong_AsLongLong(h) : 0;
         Py_XDECREF(h);
         if (s->headroom < 0 || PyErr_Occurred()) {
-            PyErr_Clear();
+            if (soft_clear() < 0) { seg_release(s); return NULL; }
             s->headroom = 0;
         }
     }
@@ -1116,6 +1118,7 @@ static PyObject *seg_room(Segment *s, PyObject *arg) {
 static PyObject *seg_take_top(Segment *s, PyObject *arg) {
     long long n = PyLong_AsLongLong(arg);
     if (n == -1 && PyErr_Occurred()) return NULL;
+    if (!s->bound || !s->slot || n < 0) return PyLong_FromLong(-1); /* nothing to take */
     int64_t top = (s->top - n) & -(int64_t)ALIGN;
     int64_t tail = nstaged(s) ? reserve_tail(s) : 0;
     if (top >= max64(s->cursor, s->bottom) + tail) {
@@ -1174,8 +1177,9 @@ static PyObject *seg_remember(Segment *s, PyObject *const *args, Py_ssize_t narg
         c->kind = g[1] == 1 ? KIND_H2D : KIND_H2D_2D;
     }
     PyObject *vspec = PyObject_GetAttr(fp, s_view);
-    if (!vspec) PyErr_Clear();
-    else if (PyTuple_Check(vspec) && PyTuple_GET_SIZE(vspec) == 9) {
+    if (!vspec) {
+        if (soft_clear() < 0) { Py_DECREF(c); return NULL; }
+    } else if (PyTuple_Check(vspec) && PyTuple_GET_SIZE(vspec) == 9) {
         /* views of this array may be made afresh each step: remember how to read one */
         c->vdtype = PyObject_GetAttr(dst, PyTuple_GET_ITEM(vspec, 7));
         if (!c->vdtype || PyDict_SetItem(s->vtypes, (PyObject *)Py_TYPE(dst), vspec) < 0) {
@@ -1206,8 +1210,8 @@ static PyObject *seg_remember_src(Segment *s, PyObject *const *args, Py_ssize_t 
     }
     Py_buffer b;
     if (PyObject_GetBuffer(args[2], &b, PyBUF_C_CONTIGUOUS) < 0) {
-        PyErr_Clear(); /* not C-contiguous: never on the fast path */
-        Py_RETURN_NONE;
+        if (soft_clear() < 0) return NULL;
+        Py_RETURN_NONE; /* not C-contiguous: never on the fast path */
     }
     addr_t ptr = (addr_t)(uintptr_t)b.buf;
     int64_t nbytes = b.len;
@@ -1336,7 +1340,7 @@ static PyObject *seg_append_h2d(Segment *s, PyObject *const *args, Py_ssize_t na
     if (s->seg < 0) Py_RETURN_FALSE;
     Py_buffer b;
     if (PyObject_GetBuffer(args[7], &b, PyBUF_C_CONTIGUOUS) < 0) {
-        PyErr_Clear();
+        if (soft_clear() < 0) return NULL;
         Py_RETURN_FALSE;
     }
     int r = 0;
@@ -1631,14 +1635,17 @@ static int h2d_fast(Segment *s, PyObject *site, PyObject *dst, PyObject *src,
         /* (a cached shape is read as Py_ssize_t: as wide, see MAXDIM's assertion) */
         int v = 0;
         if (sc->nbytes == g.nbytes && sc->ndim >= 0 &&
-            shape_fits(sc->ndim, (const Py_ssize_t *)sc->shape, g.ndim, g.shape))
-            v = cached_valid(sc, src);
-        if (v == 1) {
+            shape_fits(sc->ndim, (const Py_ssize_t *)sc->shape, g.ndim, g.shape)) {
+            /* the dtypes first: the fingerprint is the last Python code run before the
+             * source's bytes are read at the address it vouches for */
             int eq = sc->dtype == g.dtype ? 1 : PyObject_RichCompareBool(sc->dtype, g.dtype, Py_EQ);
-            if (eq < 0 && soft_clear() < 0) v = -1;
-            else if (eq == 1 && !seg_usable(s)) v = 0; /* closed by the code just run */
-            else if (eq == 1 && skip) r = 1;
-            else if (eq == 1)
+            if (eq < 0) v = soft_clear() < 0 ? -1 : 0;
+            else if (eq == 1) v = cached_valid(sc, src);
+        }
+        if (v == 1) {
+            if (!seg_usable(s)) v = 0; /* closed by the code just run */
+            else if (skip) r = 1;
+            else
                 r = append_raw(s, site, on_drop, g.ptr, g.rows, g.width, g.pitch, g.lo, g.hi,
                                g.nbytes, g.kind, (const void *)(uintptr_t)sc->ptr);
         }
@@ -1689,6 +1696,7 @@ static PyObject *seg_try_fill(Segment *s, PyObject *const *args, Py_ssize_t narg
     int64_t it = g.itemsize, size = g.nbytes / (it ? it : 1);
     PyObject *kind = PyObject_GetAttrString(g.dtype, "kind");
     if (!kind) goto soft;
+    if (!PyUnicode_Check(kind)) { Py_DECREF(kind); goto miss; }
     int signed_ = PyUnicode_CompareWithASCIIString(kind, "i") == 0;
     int unsigned_ = PyUnicode_CompareWithASCIIString(kind, "u") == 0;
     Py_DECREF(kind);
@@ -1701,6 +1709,7 @@ static PyObject *seg_try_fill(Segment *s, PyObject *const *args, Py_ssize_t narg
         Py_DECREF(native);
         if (native != Py_True) goto miss;
     }
+    if (!seg_usable(s)) goto miss; /* (the dtype's attributes: Python for a hostile dtype) */
     uint64_t pattern;
     int bits = (int)(8 * it);
     if (signed_) {
@@ -1862,10 +1871,16 @@ static PyObject *seg_stage(Segment *s, PyObject *args) {
         Py_ssize_t i = find_exact(s, lo, hi);
         if (i >= 0 && geom != Py_None && !is_list && !ranges_overlaps(&s->reads, lo, hi)) {
             Entry *e = (Entry *)PyList_GET_ITEM(s->entries, i);
+            Py_INCREF(e); /* held: the compare may run Python code */
             int same = PyObject_RichCompareBool(e->geom, geom, Py_EQ);
-            if (same < 0) return NULL;
-            if (same && PyLong_Check(e->index)) {
-                Py_ssize_t old = PyLong_AsSsize_t(e->index);
+            Py_ssize_t old = same > 0 && PyLong_CheckExact(e->index) ? PyLong_AsSsize_t(e->index) : -1;
+            /* still the entry staged there (the compare changed nothing), its index a
+             * descriptor of this segment (an Entry's fields are writable from Python) */
+            int ok = same > 0 && old >= 0 && old < s->descs.n && i < PyList_GET_SIZE(s->entries) &&
+                     PyList_GET_ITEM(s->entries, i) == (PyObject *)e;
+            Py_DECREF(e); /* the list holds it when ok */
+            if (same < 0 || (old == -1 && PyErr_Occurred())) return NULL;
+            if (ok) {
                 if (s->descs.v[old].kind != KIND_D2D) {
                     /* the same destination again: the later copy replaces the staged one */
                     s->descs.v[old] = one;
@@ -2628,7 +2643,9 @@ static PyObject *fastroute_call(FastRoute *f, PyObject *const *args, size_t narg
             PyObject *v[8];
             v[0] = c;
             memcpy(v + 1, args, (size_t)total * sizeof(PyObject *));
+            Py_INCREF(m); /* held: the copy runs Python code that may rebind copy */
             PyObject *r = fastcopy_call((FastCopy *)m, v, (size_t)(nargs + 1), kwnames);
+            Py_DECREF(m);
             Py_DECREF(c);
             return r;
         }
@@ -2897,7 +2914,51 @@ static inline PyObject *weak_target(PyObject *ref) {
 #endif
 }
 
-static PyObject *fastupdate_body(FastUpdate *f, PyObject *const *args, size_t nargsf,
+/* The buffer's fields update() reads, taken once as strong references: Python code the
+ * body runs (a fingerprint, h2d_fast's) may replace any of them on the buffer (another
+ * prefix length, a route learnt anew, another thread's update). */
+typedef struct {
+    PyObject *route, *fsite, *fdtype, *updates, *fills, *pdst, *copier;
+    Py_ssize_t fitem, fsize, pn;
+} BufSnap;
+
+static void snap_release(BufSnap *k) {
+    Py_XDECREF(k->route); Py_XDECREF(k->fsite); Py_XDECREF(k->fdtype);
+    Py_XDECREF(k->updates); Py_XDECREF(k->fills); Py_XDECREF(k->pdst); Py_XDECREF(k->copier);
+}
+
+/* host's bytes for update(): an exact C-contiguous ndarray's, or a cached source's
+ * (sc, held by the caller, validated): 1, or 0 when they are not readable so */
+static int host_bytes(PyObject *host, Cached *sc, Py_ssize_t fitem, const char **data,
+                      Py_ssize_t *n, int *nd) {
+    if (!sc) {
+        NpArray *a = (NpArray *)host;
+        if (!(a->flags & NPY_C_CONTIGUOUS_FLAG)) return 0;
+        Py_ssize_t k = 1;
+        for (int i = 0; i < a->nd; i++) k *= a->dimensions[i];
+        *data = a->data;
+        *n = k;
+        *nd = a->nd;
+        return 1;
+    }
+    if (sc->ndim < 0 || sc->nbytes % fitem) return 0;
+    *data = (const char *)(uintptr_t)sc->ptr;
+    *n = (Py_ssize_t)(sc->nbytes / fitem);
+    *nd = sc->ndim;
+    return 1;
+}
+
+/* a record's bytes: an exact 1-D C-contiguous uint8 array (its length in *len) */
+static inline int record_bytes(PyObject *data, Py_ssize_t *len) {
+    NpArray *d = (NpArray *)data;
+    if ((PyObject *)Py_TYPE(data) != ndarray_type || d->nd != 1 || d->descr != uint8_descr ||
+        !(d->flags & NPY_C_CONTIGUOUS_FLAG))
+        return 0;
+    *len = d->dimensions[0];
+    return 1;
+}
+
+static PyObject *fastupdate_body(FastUpdate *f, BufSnap *k, PyObject *const *args, size_t nargsf,
                                  PyObject *kwnames) {
     Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
     if (nargs < 2 || nargs > 6) goto rest;
@@ -2907,8 +2968,8 @@ static PyObject *fastupdate_body(FastUpdate *f, PyObject *const *args, size_t na
     if (kwnames) {
         Py_ssize_t nk = PyTuple_GET_SIZE(kwnames);
         for (Py_ssize_t i = 0; i < nk; i++) {
-            PyObject *k = PyTuple_GET_ITEM(kwnames, i);
-            int at = k == s_force ? 0 : k == s_viewkw ? 1 : k == s_key ? 2 : k == s_exact ? 3 : -1;
+            PyObject *kw = PyTuple_GET_ITEM(kwnames, i);
+            int at = kw == s_force ? 0 : kw == s_viewkw ? 1 : kw == s_key ? 2 : kw == s_exact ? 3 : -1;
             if (at < 0 || at < nargs - 2) goto rest; /* unknown or repeated: Python says */
             opt[at] = args[nargs + i];
         }
@@ -2924,16 +2985,23 @@ static PyObject *fastupdate_body(FastUpdate *f, PyObject *const *args, size_t na
         !b->fsite || b->fsite == Py_None || !b->updates || !PyDict_CheckExact(b->updates) ||
         b->fitem <= 0)
         goto rest;
-    /* the active copier: the one this buffer's route was learnt through */
-    PyObject *c = NULL;
-    if (PyContextVar_Get(f->var, NULL, &c) < 0) return NULL;
-    if (!c) goto rest;
-    PyObject *ref = PyTuple_GET_ITEM(b->froute, 0), *sego = PyTuple_GET_ITEM(b->froute, 2);
-    int same_copier = c != Py_None && PyWeakref_Check(ref) && weak_target(ref) == c;
-    Py_DECREF(c); /* the context keeps it */
+    k->route = Py_NewRef(b->froute);
+    k->fsite = Py_NewRef(b->fsite);
+    k->fdtype = Py_XNewRef(b->fdtype);
+    k->updates = Py_NewRef(b->updates);
+    k->fills = Py_XNewRef(b->fills);
+    k->pdst = Py_XNewRef(b->pdst);
+    k->fitem = b->fitem;
+    k->fsize = b->fsize;
+    k->pn = b->pn;
+    /* the active copier: the one this buffer's route was learnt through (held) */
+    if (PyContextVar_Get(f->var, NULL, &k->copier) < 0) return NULL;
+    if (!k->copier) goto rest;
+    PyObject *ref = PyTuple_GET_ITEM(k->route, 0), *sego = PyTuple_GET_ITEM(k->route, 2);
+    int same_copier = k->copier != Py_None && PyWeakref_Check(ref) && weak_target(ref) == k->copier;
     if (!same_copier || Py_TYPE(sego) != &SegmentType) goto rest;
-    Segment *s = (Segment *)sego;
-    if (!s->fast || !s->bound || s->owner != thread_id()) goto rest;
+    Segment *s = (Segment *)sego; /* held by the route */
+    if (!seg_usable(s)) goto rest;
     /* the host values: a NumPy array, or a source the segment knows (a torch CPU tensor) */
     const char *hdata;
     Py_ssize_t n;
@@ -2941,64 +3009,58 @@ static PyObject *fastupdate_body(FastUpdate *f, PyObject *const *args, size_t na
     PyObject *hdtype;
     Cached *sc = NULL; /* held while its bytes are read */
     if ((PyObject *)Py_TYPE(host) == ndarray_type) {
-        NpArray *a = (NpArray *)host;
-        if (!(a->flags & NPY_C_CONTIGUOUS_FLAG)) goto rest;
-        n = 1;
-        for (int i = 0; i < a->nd; i++) n *= a->dimensions[i];
-        hdata = a->data;
-        hnd = a->nd;
-        hdtype = a->descr;
+        hdtype = ((NpArray *)host)->descr;
     } else {
         sc = (Cached *)front_get(&s->sfront, s->scache, host);
         if (!sc) { if (PyErr_Occurred()) return NULL; goto rest; }
         Py_INCREF(sc);
-        if (sc->ndim < 0 || sc->nbytes % b->fitem) goto rest_sc;
-        int v = cached_valid(sc, host);
-        if (v < 0) goto fail_sc;
-        /* the fingerprint may have run Python code that closed the copier */
-        if (!v || !s->fast || !s->bound || s->owner != thread_id()) goto rest_sc;
-        n = (Py_ssize_t)(sc->nbytes / b->fitem);
-        hdata = (const char *)(uintptr_t)sc->ptr;
-        hnd = sc->ndim;
         hdtype = sc->dtype;
     }
-    if (hdtype != b->fdtype) {
-        int eq = b->fdtype ? PyObject_RichCompareBool(hdtype, b->fdtype, Py_EQ) : 0;
+    if (hdtype != k->fdtype) {
+        int eq = k->fdtype ? PyObject_RichCompareBool(hdtype, k->fdtype, Py_EQ) : 0;
         if (eq != 1) {
             if (eq < 0 && soft_clear() < 0) goto fail_sc;
             goto rest_sc;
         }
     }
-    if (n <= 0 || n > b->fsize) goto rest_sc;
-    /* the record */
-    PyObject *rec = _PyDict_GetItem_KnownHash(b->updates, f->prefix, f->prefix_hash);
+    /* the record (its slots read at their offsets: no Python for an exact _Update) */
+    PyObject *rec = _PyDict_GetItem_KnownHash(k->updates, f->prefix, f->prefix_hash);
     if (!rec) { if (PyErr_Occurred()) goto fail_sc; goto rest_sc; }
     Py_INCREF(rec);
     PyObject *data = rec_slot(f, rec, f->off_data, s_data);
     if (!data) { Py_DECREF(rec); goto fail_sc; }
-    NpArray *d = (NpArray *)data;
-    if ((PyObject *)Py_TYPE(data) != ndarray_type || d->nd != 1 || d->descr != uint8_descr ||
-        !(d->flags & NPY_C_CONTIGUOUS_FLAG))
+    Py_ssize_t hn;
+    if (!record_bytes(data, &hn)) goto rest_rec;
+    if (sc) { /* the last Python before the bytes are read: the source's fingerprint */
+        int v = cached_valid(sc, host);
+        if (v < 0) goto fail_rec;
+        if (!v) goto rest_rec;
+    }
+    /* read now, after every call into Python: what they may have changed is read afresh */
+    if (!seg_usable(s) || !record_bytes(data, &hn) ||
+        !host_bytes(host, sc, k->fitem, &hdata, &n, &hnd))
         goto rest_rec;
-    Py_ssize_t hn = d->dimensions[0], nb = n * b->fitem;
+    if (n <= 0 || n > k->fsize) goto rest_rec;
+    NpArray *d = (NpArray *)data;
+    Py_ssize_t nb = n * k->fitem;
     if ((hn == nb || (hn > nb && !exact)) && memcmp(d->data, hdata, (size_t)nb) == 0) {
         Py_DECREF(data);
         Py_DECREF(rec);
         Py_XDECREF(sc);
-        PyObject *counts = PyTuple_GET_ITEM(b->froute, 1);
+        PyObject *counts = PyTuple_GET_ITEM(k->route, 1);
         if (Py_TYPE(counts) == &SkipCountsType) {
-            if (skips_count((SkipCounts *)counts, b->fsite) < 0) return NULL;
+            if (skips_count((SkipCounts *)counts, k->fsite) < 0) return NULL;
         } else {
-            PyObject *x = PyObject_CallMethod(counts, "count", "O", b->fsite);
+            PyObject *x = PyObject_CallMethod(counts, "count", "O", k->fsite);
             if (!x) return NULL;
             Py_DECREF(x);
         }
         Py_RETURN_FALSE;
     }
     /* changed: staged through the segment, then copied into the record's own bytes */
-    if (hn != nb || hnd != 1 || PyDict_GET_SIZE(b->updates) != 1 || !b->fills ||
-        !PyDict_CheckExact(b->fills) || PyDict_GET_SIZE(b->fills) != 0 || b->pn != n ||
-        !b->pdst || !(d->flags & NPY_WRITEABLE_FLAG))
+    if (hn != nb || hnd != 1 || PyDict_GET_SIZE(k->updates) != 1 || !k->fills ||
+        !PyDict_CheckExact(k->fills) || PyDict_GET_SIZE(k->fills) != 0 || k->pn != n ||
+        !k->pdst || !(d->flags & NPY_WRITEABLE_FLAG))
         goto rest_rec;
     PyObject *owned = rec_slot(f, rec, f->off_owned, s_owned);
     if (!owned) goto fail_rec;
@@ -3006,31 +3068,32 @@ static PyObject *fastupdate_body(FastUpdate *f, PyObject *const *args, size_t na
     if (owned != Py_True) goto rest_rec;
     PyObject *drop = PyObject_GetAttr(self, s_invalidate);
     if (!drop) goto fail_rec;
-    Py_INCREF(c); /* held through _after_barrier */
-    int code = h2d_fast(s, b->fsite, b->pdst, host, drop, 0);
+    int code = h2d_fast(s, k->fsite, k->pdst, host, drop, 0);
     Py_DECREF(drop);
-    if (code < 0) goto fail_c;
-    if (code == STAGED) {
-        memcpy(d->data, hdata, (size_t)nb); /* the record now holds what was staged */
-    } else if (code == BARRIER) {
+    if (code < 0) goto fail_rec;
+    if (code != STAGED && code != BARRIER) goto rest_rec;
+    /* staged: the record takes the bytes h2d_fast staged, read again (no Python since
+     * its staging); a record or source that changed meanwhile is dropped instead, so the
+     * next update uploads again */
+    Py_ssize_t hn2, n2;
+    int keep = record_bytes(data, &hn2) && hn2 == nb && (d->flags & NPY_WRITEABLE_FLAG) &&
+               host_bytes(host, sc, k->fitem, &hdata, &n2, &hnd) && n2 == n;
+    if (keep) memcpy(d->data, hdata, (size_t)nb);
+    if (code == BARRIER || !keep) {
         /* as the general path: no record while the barrier flushes */
-        if (PyDict_DelItem(b->updates, f->prefix) < 0) goto fail_c;
-        memcpy(d->data, hdata, (size_t)nb);
-        PyObject *x = PyObject_CallMethodOneArg(c, s_after_barrier, b->fsite);
-        if (!x) goto fail_c;
-        Py_DECREF(x);
-        if (PyDict_SetItem(b->updates, f->prefix, rec) < 0) goto fail_c;
-    } else {
-        Py_DECREF(c);
-        goto rest_rec;
+        int r = PyDict_DelItem(k->updates, f->prefix);
+        if (r < 0) goto fail_rec;
     }
-    Py_DECREF(c);
+    if (code == BARRIER) {
+        PyObject *x = PyObject_CallMethodOneArg(k->copier, s_after_barrier, k->fsite);
+        if (!x) goto fail_rec;
+        Py_DECREF(x);
+        if (keep && PyDict_SetItem(k->updates, f->prefix, rec) < 0) goto fail_rec;
+    }
     Py_DECREF(data);
     Py_DECREF(rec);
     Py_XDECREF(sc);
     Py_RETURN_TRUE;
-fail_c:
-    Py_DECREF(c);
 fail_rec:
     Py_DECREF(data);
     Py_DECREF(rec);
@@ -3046,15 +3109,12 @@ rest:
     return PyObject_Vectorcall(f->rest, args, nargsf, kwnames);
 }
 
-/* update(): the body, with the buffer's route held while it runs (a fingerprint it
- * calls may replace the route, and with it the last reference to the segment) */
+/* update(): the body, with the buffer's fields it reads held while it runs */
 static PyObject *fastupdate_call(FastUpdate *f, PyObject *const *args, size_t nargsf,
                                  PyObject *kwnames) {
-    PyObject *route = NULL;
-    if (PyVectorcall_NARGS(nargsf) >= 1 && PyObject_TypeCheck(args[0], &BufferCoreType))
-        route = Py_XNewRef(((BufferCore *)args[0])->froute);
-    PyObject *r = fastupdate_body(f, args, nargsf, kwnames);
-    Py_XDECREF(route);
+    BufSnap k = {0};
+    PyObject *r = fastupdate_body(f, &k, args, nargsf, kwnames);
+    snap_release(&k);
     return r;
 }
 
@@ -3447,12 +3507,14 @@ static int ring_ask(RingCore *r, CarriedLauncher *L, PyObject *ev) {
     Py_XDECREF(backend);
     int a = done == Py_True ? 1 : done == Py_False ? 0 : -1;
     Py_XDECREF(done);
-    if (a < 0) PyErr_Clear();
+    if (a < 0 && soft_clear() < 0) return -2; /* a BaseException: propagated */
     return a;
 }
 
 /* advance_fast's work: 1 advanced (*slot_out borrowed, *cap_for and *cap updated),
- * 0 the Python path's (nothing changed, no exception set), -1 an error */
+ * 0 the Python path's (nothing changed, no exception set), -1 an error. The event
+ * query may run Python code (another thread's close() may empty the ring meanwhile):
+ * the slot is held across it and the ring's state read again after it. */
 static int ring_advance(RingCore *r, PyObject *segobj, PyObject *tablesobj, long long *cap_for_p,
                         long long *cap_p, PyObject **slot_out) {
     long long cap_for = *cap_for_p, cap = *cap_p;
@@ -3497,13 +3559,17 @@ static int ring_advance(RingCore *r, PyObject *segobj, PyObject *tablesobj, long
             return 0;
         CarriedLauncher *L = event_launcher(r->launcher);
         int idle = 0;
+        long long newest_stamp = r->newest_stamp, stamp = slot->stamp;
+        Py_INCREF(slotobj);
         if (probe <= 0 && r->newest >= 0 && r->newest < n && r->newest != index &&
-            r->newest_stamp > slot->stamp) {
-            int a = ring_ask(r, L, PyList_GET_ITEM(r->events, r->newest));
-            if (a < 0) return 0;
+            newest_stamp > stamp) {
+            PyObject *ev = Py_NewRef(PyList_GET_ITEM(r->events, r->newest));
+            int a = ring_ask(r, L, ev);
+            Py_DECREF(ev);
+            if (a < 0) { Py_DECREF(slotobj); return a == -2 ? -1 : 0; }
             if (a) {
                 idle = 1;
-                certified = r->newest_stamp;
+                certified = newest_stamp;
             } else { /* not ready: ask each slot's own first for a ring's turn */
                 probe = n;
             }
@@ -3512,8 +3578,24 @@ static int ring_advance(RingCore *r, PyObject *segobj, PyObject *tablesobj, long
         }
         if (!idle) {
             /* not complete, or no answer: the Python path asks again (and waits) */
-            if (ring_ask(r, L, PyList_GET_ITEM(r->events, index)) != 1) return 0;
-            if (slot->stamp > certified) certified = slot->stamp;
+            int a = -1;
+            if (r->events && PyList_CheckExact(r->events) && PyList_GET_SIZE(r->events) == n) {
+                PyObject *ev = Py_NewRef(PyList_GET_ITEM(r->events, index));
+                a = ring_ask(r, L, ev);
+                Py_DECREF(ev);
+            }
+            if (a != 1) { Py_DECREF(slotobj); return a == -2 ? -1 : 0; }
+            if (stamp > certified) certified = stamp;
+        }
+        /* still the ring that was read: the same slot in place, the same previous one */
+        int same = r->slots && PyList_CheckExact(r->slots) && PyList_GET_SIZE(r->slots) == n &&
+                   PyList_GET_ITEM(r->slots, index) == slotobj && r->current == (PyObject *)prev &&
+                   r->demand == (PyObject *)demand && slot->recorded == Py_True &&
+                   slot->dirty != NULL && empty_list(slot->temps) && empty_list(slot->frees);
+        Py_DECREF(slotobj); /* the ring's list holds it */
+        if (!same) {
+            PyErr_Clear();
+            return 0;
         }
     }
     PyObject *acq = PyLong_FromLongLong(acquires + 1);
@@ -3646,7 +3728,8 @@ GC_FIELDS(copiercore, CopierCore, COPIER_FIELDS)
 static PyObject *s_check_mode;
 static PyTypeObject CopierCoreType;
 
-/* 1: not capturing; 0: capturing, or cannot tell (the Python path asks again). With
+/* 1: not capturing; 0: capturing, or cannot tell (the Python path asks again); -1: a
+ * BaseException raised by the query (propagated). With
  * the launcher's own capture query and a raw stream handle, straight from C (the same
  * query as cap_query, the Driver's is_capturing, without a Python call). L: the
  * copier's launcher when the caller has it already, else NULL (looked up here). */
@@ -3663,10 +3746,7 @@ static int not_capturing(CopierCore *c, CarriedLauncher *L) {
         return L->capturing(L->drv, stream, &status) == 0 && status == 0;
     }
     PyObject *st = PyObject_CallOneArg(c->cap_query, c->cap_arg);
-    if (!st) {
-        PyErr_Clear();
-        return 0;
-    }
+    if (!st) return soft_clear(); /* 0 (the Python path asks again), or -1 */
     int idle = st == Py_False;
     if (!idle && PyLong_CheckExact(st)) {
         int overflow;
@@ -3704,11 +3784,14 @@ static PyObject *copiercore_begin_fast(CopierCore *c, PyObject *unused) {
     if (!c->check_mod) Py_RETURN_FALSE;
     PyObject *mode = PyObject_GetAttr(c->check_mod, s_check_mode);
     if (!mode) {
-        PyErr_Clear();
+        if (soft_clear() < 0) return NULL;
         Py_RETURN_FALSE;
     }
     Py_DECREF(mode);
-    if (mode != Py_False || !not_capturing(c, NULL)) Py_RETURN_FALSE;
+    if (mode != Py_False) Py_RETURN_FALSE;
+    int idle = not_capturing(c, NULL);
+    if (idle < 0) return NULL;
+    if (!idle) Py_RETURN_FALSE;
     long long cap_for, cap;
     if (!c->tables || !c->cap_for || !c->cap || !int_field(c->cap_for, &cap_for) ||
         !int_field(c->cap, &cap)) {
@@ -3860,7 +3943,9 @@ static PyObject *copiercore_flush_fast(CopierCore *c, PyObject *unused) {
     }
     PyErr_Clear();
     if (mapped_only && mapped_max < 0) Py_RETURN_FALSE;
-    if (!not_capturing(c, L)) Py_RETURN_FALSE;
+    int idle = not_capturing(c, L);
+    if (idle < 0) return NULL;
+    if (!idle) Py_RETURN_FALSE;
     /* from here on as _flush_segment: an error is flush()'s to report (the segment cut) */
     int64_t off, end, nblocks;
     Py_ssize_t n;
@@ -4056,13 +4141,18 @@ static PyObject *stepcore_enter(StepCore *st, PyObject *unused) {
         _PyType_Lookup(Py_TYPE(o), s_begin) == plain_begin) {
         CopierCore *c = (CopierCore *)o;
         if (c->stepping == Py_False && c->closed == Py_False) {
+            Py_INCREF(o); /* held: begin runs Python code on some backends */
             PyObject *r = copiercore_begin_fast(c, NULL);
-            if (!r) return NULL;
+            if (!r) {
+                Py_DECREF(o);
+                return NULL;
+            }
             Py_DECREF(r);
             if (r == Py_True) {
                 Py_SETREF(c->stepping, Py_NewRef(Py_True));
-                return Py_NewRef(o);
+                return o;
             }
+            Py_DECREF(o);
         }
     }
     return PyObject_CallMethodNoArgs((PyObject *)st, s_enter);
@@ -4080,12 +4170,14 @@ static PyObject *stepcore_exit(StepCore *st, PyObject *const *args, Py_ssize_t n
         !step_is_callers((CopierCore *)o, thread_id())) /* another thread's: _exit refuses */
         return PyObject_VectorcallMethod(
             s_exit, (PyObject *[]){(PyObject *)st, args[0], args[1], args[2]}, 4, NULL);
-    CopierCore *c = (CopierCore *)o;
+    CopierCore *c = (CopierCore *)Py_NewRef(o); /* held: flush() runs Python code */
     Py_SETREF(c->stepping, Py_NewRef(Py_False));
     PyObject *r = step_flush(c);
-    /* finally: the step is over, whatever flush() did */
+    /* finally: the step is over, whatever flush() did (its segment read again: that
+     * code may have replaced it) */
     Py_SETREF(c->in_step, Py_NewRef(Py_False));
-    ((Segment *)c->seg)->fast = 0;
+    if (c->seg && Py_TYPE(c->seg) == &SegmentType) ((Segment *)c->seg)->fast = 0;
+    Py_DECREF(c);
     if (!r) return NULL;
     Py_DECREF(r);
     Py_RETURN_FALSE;

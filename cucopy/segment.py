@@ -304,6 +304,8 @@ class PySegment:
 
     def take_top(self, nbytes: int) -> int:
         """Space for an eager snapshot at the slot's top: its offset, or -1 when full."""
+        if self.slot is None or nbytes < 0:
+            return -1  # no slot bound, or nothing to take
         top = (self.top - nbytes) & -_ALIGN
         tail = self._reserve_tail() if self.entries else 0
         if top >= max(self.cursor, self.bottom) + tail:

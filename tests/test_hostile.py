@@ -492,3 +492,11 @@ def test_a_merged_copy_made_during_a_capture_begun_inside_the_step_is_refused(de
     with c.step():  # the copier goes on
         c.copy(Site.A, a, np.full(4, 2, np.int32))
     assert dev.to_host(a).tolist() == [2] * 4
+
+
+def test_take_top_of_an_unbound_segment_takes_nothing():
+    from cucopy import segment
+
+    seg = segment.Segment(frozenset(), frozenset())
+    assert seg.take_top(64) == -1
+    assert seg.take_top(-64) == -1
