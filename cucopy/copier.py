@@ -710,16 +710,18 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
         if self._in_step and self._owner != _thread_id():
             self._live()
         entries = self._seg.reset()
-        # also the step() block's mark: discard() repairs a block an interrupt cut short
-        self._in_step = self._seg.fast = self._stepping = False
-        if self._checker is not None and self._slot is not None:
-            # snapshot copies may still be queued: free their buffers when the slot
-            # comes round (check mode synchronizes anyway)
-            self._slot.frees.extend(self._checker.release())
-            self._slot.dirty = True
-        if self._slot is not None:
-            self._ring.record(self._stream)
-        self._run_drops(entries)
+        try:
+            # also the step() block's mark: discard() repairs a block an interrupt cut short
+            self._in_step = self._seg.fast = self._stepping = False
+            if self._checker is not None and self._slot is not None:
+                # snapshot copies may still be queued: free their buffers when the slot
+                # comes round (check mode synchronizes anyway)
+                self._slot.frees.extend(self._checker.release())
+                self._slot.dirty = True
+            if self._slot is not None:
+                self._ring.record(self._stream)
+        finally:  # the dropped copies' owners hear of it, whatever happened above
+            self._run_drops(entries)
 
     @staticmethod
     def _run_drops(entries) -> None:

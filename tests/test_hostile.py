@@ -500,3 +500,26 @@ def test_take_top_of_an_unbound_segment_takes_nothing():
     seg = segment.Segment(frozenset(), frozenset())
     assert seg.take_top(64) == -1
     assert seg.take_top(-64) == -1
+
+
+def test_an_interrupt_inside_discard_still_tells_the_owners(dev, monkeypatch):
+    c = _copier(dev)
+    dst = dev.zeros((4,), np.int32)
+    drops = []
+    record = c._ring.record
+    armed = [True]
+
+    def interrupted(stream):
+        if armed[0]:
+            armed[0] = False
+            raise KeyboardInterrupt
+        return record(stream)
+
+    c.begin()
+    c.copy(Site.A, dst, np.arange(4, dtype=np.int32), on_drop=lambda: drops.append(1))
+    monkeypatch.setattr(c._ring, "record", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        c.discard()
+    assert drops == [1] and c.staged == 0 and not c.in_step
+    _steps(c, dst, np.arange(4) + 3, n=1)
+    np.testing.assert_array_equal(dev.to_host(dst), np.arange(4) + 3)
