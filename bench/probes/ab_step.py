@@ -2,6 +2,7 @@
 
 Usage:
     python bench/probes/ab_step.py [--tree DIR] [--n 8,32,128] [--steps 3000] [--label L]
+                                   [--src numpy|torch]
 
 Question: did a change to the staging core make a step cheaper on the GPU's host? The
 lent host's speed swings by up to 2x within a run (``host_cpus.py``), so two runs, or
@@ -33,6 +34,12 @@ def main(argv=None) -> int:
     ap.add_argument("--n", default="8,32,128")
     ap.add_argument("--steps", type=int, default=3000)
     ap.add_argument("--label", default="")
+    ap.add_argument(
+        "--src",
+        choices=("numpy", "torch"),
+        default="numpy",
+        help="the sources: NumPy arrays, or pinned torch CPU tensors",
+    )
     args = ap.parse_args(argv)
     sys.path.insert(0, args.tree)
     import numpy as np
@@ -43,11 +50,19 @@ def main(argv=None) -> int:
     from cucopy import segment
 
     stream = torch.cuda.Stream()
-    out = {"label": args.label, "tree": args.tree, "staging": segment.IMPLEMENTATION, "n": {}}
+    out = {
+        "label": args.label,
+        "tree": args.tree,
+        "src": args.src,
+        "staging": segment.IMPLEMENTATION,
+        "n": {},
+    }
     for n in (int(x) for x in args.n.split(",")):
         mix = decode_mix(n)
         rng = np.random.default_rng(0)
         srcs = [rng.integers(1, 1 << 30, size=k).astype(dt) for k, dt in mix]
+        if args.src == "torch":
+            srcs = [torch.from_numpy(x).pin_memory() for x in srcs]
         dsts = [torch.zeros(k, dtype=getattr(torch, dt), device="cuda") for k, dt in mix]
         site = cc.CopySite("Ab", [("s", cc.H2D)])
         c = cc.DeviceCopier(cc.CopyPlan(merge=set(site)), stream=stream, capacity=1 << 20)
@@ -65,7 +80,7 @@ def main(argv=None) -> int:
                 ts.append((t1 - t0) / 1e3)
         stream.synchronize()
         for d, x in zip(dsts, srcs):
-            if not np.array_equal(d.cpu().numpy(), x):
+            if not np.array_equal(d.cpu().numpy(), np.asarray(x)):
                 raise SystemExit(f"N={n}: a destination is wrong")
         med = statistics.median(ts)
         out["n"][str(n)] = {"step_us": med, "us_per_copy": med / n, "modes": dict(c.stats.modes)}
