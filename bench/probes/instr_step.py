@@ -115,6 +115,7 @@ def _copier(n: int, lib: Path, graphs: bool = True, mode: str = "auto", torch_sr
     c._ring._launcher = launcher
     c._cap_query = drv.is_capturing
     c._cap_arg = 0x5717
+    c._seg.set_capture_query(drv.is_capturing, 0x5717)  # as a CUDA copier's segment asks
     c._mapped_max = 1 << 20
     c._graph_cap = pack.GRAPH_CAPACITY if graphs else 0
     c._ring._events = [0xE000 + i for i in range(len(c._ring._events))]
