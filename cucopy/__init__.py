@@ -8,6 +8,7 @@ from .copier import DeviceCopier, active_copier, copy, fill_tail, flush
 from .errors import CopyError
 from .feed import GraphFeed
 from .plan import CopyPlan
+from .profiler import profile
 from .sites import D2D, FILL, H2D, CopySite, Direction
 from .stats import CopyStats, SiteStats
 
@@ -30,6 +31,7 @@ __all__ = [
     "expect_landed",
     "fill_tail",
     "flush",
+    "profile",
     "show_config",
 ]
 
