@@ -536,7 +536,8 @@ class CopyProfile:
                 continue
             if fn.startswith(_PKG):
                 return None
-            return fn, f.f_lineno, f.f_code.co_name
+            code = f.f_code
+            return fn, f.f_lineno, getattr(code, "co_qualname", code.co_name)
         return "<unknown>", 0, "?"
 
     def _capturing(self) -> bool:
@@ -838,10 +839,11 @@ class CopyProfile:
             names.append(name)
             direction = "cc.H2D" if r.upload else "cc.FILL"
             n = max(self.steps, 1)
+            src = "" if r.source == "-" else f", {r.source}"
             out.append(
-                f"    {name} = {direction}  # {r.site} {r.function}: {r.op}, "
-                f"{_num(sum(r.counts) / n)} a step, {r.source}"
+                f"    # {r.site} {r.function}: {r.op}, {_num(sum(r.counts) / n)} a step{src}"
             )
+            out.append(f"    {name} = {direction}")
         if not names:
             out.append("    pass  # the profile saw no uploads")
         out += ["", ""]
@@ -858,11 +860,15 @@ class CopyProfile:
 
 
 def _member_name(r: SiteRecord, taken: set) -> str:
-    func = r.function if r.function and not r.function.startswith("<") else ""
-    if func in ("__call__", "__init__", "forward", "run", "main", ""):
-        stem = Path(r.site.rsplit(":", 1)[0]).stem
-        func = f"{stem}_{func}" if func else stem
-    base = re.sub(r"[^0-9A-Za-z]+", "_", f"{func}_{r.site.rsplit(':', 1)[1]}").strip("_").upper()
+    parts = [x for x in r.function.split(".") if x and x != "<locals>"]
+    generic = ("__call__", "forward", "run", "main", "step")
+    while len(parts) > 1 and (parts[-1] in generic or parts[-1].startswith("__")):
+        parts.pop()
+    func = parts[-1] if parts else ""
+    if func.startswith("<") or func in generic or not func:
+        func = Path(r.site.rsplit(":", 1)[0]).stem
+    base = f"{func}_{r.site.rsplit(':', 1)[1]}"
+    base = re.sub(r"[^0-9A-Za-z]+", "_", base).strip("_").upper()
     if not base or base[0].isdigit():
         base = "SITE_" + base
     name, k = base, 2
