@@ -8,7 +8,6 @@ from .copier import DeviceCopier, active_copier, copy, fill_tail, flush
 from .errors import CopyError
 from .feed import GraphFeed
 from .plan import CopyPlan
-from .profiler import profile
 from .sites import D2D, FILL, H2D, CopySite, Direction
 from .stats import CopyStats, SiteStats
 
@@ -42,4 +41,10 @@ def __getattr__(name):
         from . import check
 
         return check.CHECK_MODE
+    if name == "profile":
+        # imported on first use: ``python -m cucopy.profiler`` runs that module as
+        # ``__main__``, and runpy warns when the package has imported it already
+        from .profiler import profile
+
+        return profile
     raise AttributeError(f"module 'cucopy' has no attribute {name!r}")

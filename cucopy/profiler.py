@@ -79,6 +79,7 @@ import runpy
 import sys
 import threading
 import time
+import types
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -428,9 +429,8 @@ class CopyProfile:
             raise
         return self
 
-    def __exit__(self, exc_type, exc, tb) -> bool:
-        self._stop(exc)
-        return False
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self._stop(exc)  # an exception propagates (None is not a swallow)
 
     def _start(self) -> None:
         if importlib.util.find_spec("torch") is not None:
@@ -524,7 +524,7 @@ class CopyProfile:
     def _call_site(self):
         """``(path, line, function)`` of the first frame outside torch, CuPy and cucopy,
         or None when that frame is cucopy's own (its copies route themselves)."""
-        f = sys._getframe(1)
+        f: types.FrameType | None = sys._getframe(1)
         torch_dir, cupy_dir = self._torch_dir, self._cupy_dir
         while f is not None:
             fn = f.f_code.co_filename
@@ -543,8 +543,9 @@ class CopyProfile:
     def _capturing(self) -> bool:
         if self.device != "cuda":
             return False
+        torch = self._torch
         try:
-            return bool(self._torch.cuda.is_current_stream_capturing())
+            return torch is not None and bool(torch.cuda.is_current_stream_capturing())
         except Exception:
             return False
 
@@ -568,7 +569,9 @@ class CopyProfile:
         cupy = sys.modules.get("cupy")
         if cupy is None or self._cupy_patches:
             return
-        self._cupy_dir = os.path.dirname(os.path.abspath(cupy.__file__)) + os.sep
+        where = getattr(cupy, "__file__", None)
+        if where:
+            self._cupy_dir = os.path.dirname(os.path.abspath(where)) + os.sep
         skipped = []
         for obj, name, op in (
             (cupy, "asarray", "cupy.asarray"),
@@ -1317,10 +1320,10 @@ def main(argv=None) -> int:
         else:
             prof = run_script(a.script, a.args, device=a.device, costs=a.costs)
     except BaseException as exc:
-        prof = getattr(exc, "cucopy_profile", None)
-        if prof is None:
+        seen: CopyProfile | None = getattr(exc, "cucopy_profile", None)
+        if seen is None:
             raise
-        _emit(prof, a.skeleton)
+        _emit(seen, a.skeleton)
         raise
     _emit(prof, a.skeleton)
     return 0
