@@ -34,7 +34,10 @@ what the program is known to issue, call by call:
 
 Without CUDA (``--device meta``, the default when torch sees no GPU) only ``decode``
 runs, its uploads going to torch's ``meta`` device (counts and bytes only, no timing);
-the transformers programs are skipped with a message.
+the transformers programs are skipped with a message. ``--device cpu`` runs
+``hf_sync`` on the CPU too, counting its ``torch.tensor(..., device="cpu")`` calls and
+mask blocks as uploads: a check of this harness and of the profiler's threads (every
+CPU copy counts then, so the rest of that report means nothing).
 
 Writes, under ``--out`` (default ``bench/results/profile_programs/``): per program
 ``<name>.txt`` (the profiler's report, then the check and the routed result) and
@@ -228,8 +231,14 @@ def _hf_expected_sync(io) -> tuple[int, int]:
     return tensors, masks
 
 
-def profile_hf(args, mode: str) -> dict:
-    """Profile one ``generate_batch`` of transformers' continuous batching in ``mode``."""
+def profile_hf(args, mode: str, device: str = "cuda") -> dict:
+    """Profile one ``generate_batch`` of transformers' continuous batching in ``mode``.
+
+    ``device="cpu"`` (sync mode only) runs the engine on the CPU and counts its
+    ``torch.tensor(..., device="cpu")`` calls and mask blocks as if the CPU were the
+    device: it checks this harness and the profiler's threads, not uploads (every CPU
+    copy counts then too, so the report's other rows mean nothing).
+    """
     import torch
     from transformers import GenerationConfig
     from transformers.generation.continuous_batching.input_outputs import (
@@ -245,8 +254,8 @@ def profile_hf(args, mode: str) -> dict:
         num_blocks=100,
         max_batch_tokens=64,
     )
-    device = torch.device("cuda", torch.cuda.current_device())
-    model = hf.make_model(ns, device)
+    where = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else device
+    model = hf.make_model(ns, where)
     prompts = hf.make_prompts(ns)
     gen = GenerationConfig(max_new_tokens=args.new_tokens, do_sample=False, eos_token_id=-1)
     cb = hf.cb_config(ns, mode)
@@ -267,7 +276,7 @@ def profile_hf(args, mode: str) -> dict:
             raise RuntimeError(f"hf_{mode}: the engine built {type(io).__name__}")
         targets = io.io_pairs if is_async else [io]
         name = "transfer_inputs_h2d" if is_async else "prepare_batch_tensors"
-        prof = cucopy.profile(device="cuda", costs=args.costs)
+        prof = cucopy.profile(device=device, costs=args.costs)
 
         def hook(obj):
             method = getattr(type(obj), name)
@@ -440,7 +449,9 @@ def main(argv=None) -> int:
     p.add_argument("--new-tokens", type=int, default=64, help="hf: new tokens (default 64)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
-        "--device", default=None, help="cuda, or a stand-in (default: cuda if seen, else meta)"
+        "--device",
+        default=None,
+        help="cuda, or a stand-in: meta, cpu (default: cuda if torch sees one, else meta)",
     )
     p.add_argument("--costs", default=None, help="the profiler's --costs (default: its own choice)")
     p.add_argument(
@@ -463,7 +474,7 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     results, ok = {}, True
     for name in progs:
-        if name.startswith("hf_") and device != "cuda":
+        if name.startswith("hf_") and device != "cuda" and (name, device) != ("hf_sync", "cpu"):
             msg = (
                 f"{name}: skipped: transformers' continuous batching needs CUDA (device {device!r})"
             )
@@ -471,7 +482,10 @@ def main(argv=None) -> int:
             results[name] = {"skipped": msg}
             continue
         try:
-            res = profile_decode(args, device) if name == "decode" else profile_hf(args, name[3:])
+            if name == "decode":
+                res = profile_decode(args, device)
+            else:
+                res = profile_hf(args, name[3:], device)
         except SystemExit as exc:  # the hf example's own message (transformers missing)
             msg = f"{name}: skipped: {exc}"
             print(msg, flush=True)

@@ -490,3 +490,34 @@ def test_cuda_uploads_are_classified_and_timed():
     e = prof.estimate()
     assert e.measured_host is not None and e.measured_host > 0
     assert prof.gpu_name and prof.gpu_name in prof.report()
+
+
+def _transformers_ok() -> bool:
+    try:
+        import transformers
+    except ImportError:
+        return False
+    return transformers.__version__ == "5.17.0"  # the release the example is written for
+
+
+@pytest.mark.skipif(not _transformers_ok(), reason="needs transformers 5.17.0 (the hf extra)")
+def test_profile_programs_hf_sync_harness_on_the_cpu(tmp_path, capsys):
+    # the engine's own thread, the upload hook and the expected counts, with the CPU as
+    # the counted device: its seven torch.tensor calls a step and its mask blocks
+    sys.path.insert(0, str(ROOT))
+    try:
+        from bench import profile_programs
+    finally:
+        sys.path.remove(str(ROOT))
+    rc = profile_programs.main(
+        ["--device", "cpu", "--programs", "hf_sync", "--requests", "3", "--new-tokens", "4"]
+        + ["--out", str(tmp_path)]
+    )
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "hf_sync: counts MATCH" in out
+    doc = json.loads((tmp_path / "profile_programs.json").read_text())
+    res = doc["programs"]["hf_sync"]
+    tensors = [s for s in res["sites"] if s["op"] == "torch.tensor"]
+    assert len(tensors) == 7  # one call site each
+    assert all(s["site"].startswith("transformers/") for s in tensors)
