@@ -521,3 +521,14 @@ def test_profile_programs_hf_sync_harness_on_the_cpu(tmp_path, capsys):
     tensors = [s for s in res["sites"] if s["op"] == "torch.tensor"]
     assert len(tensors) == 7  # one call site each
     assert all(s["site"].startswith("transformers/") for s in tensors)
+
+
+def test_docs_sample_report_is_what_the_profiler_prints(tmp_path):
+    # docs/profile.md shows a program and its report: they must not drift apart
+    doc = (ROOT / "docs" / "profile.md").read_text()
+    prog = doc.split("```python\n")[-1].split("```")[0]
+    report = doc.split("prints:\n\n```\n")[1].split("```")[0]
+    (tmp_path / "engine_step.py").write_text(prog)
+    r = _cli("--device", "meta", "engine_step.py", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == report
