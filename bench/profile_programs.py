@@ -103,8 +103,7 @@ def profile_decode(args, device: str) -> dict:
     Returns
     -------
     dict
-        ``report``, ``skeleton``, ``check`` (``ok``, ``lines``), ``estimate`` and
-        ``routed`` (None off CUDA).
+        See :func:`_result`; ``routed`` is None off CUDA.
     """
     import torch
 
@@ -114,7 +113,8 @@ def profile_decode(args, device: str) -> dict:
     replay, stream_ctx = (lambda: None), contextlib.nullcontext()
     if device == "cuda":
         w = ex.make_weights(shape, torch.device("cuda"), args.seed)
-        ex._reset_cuda(bufs)
+        for buf, pad in zip(bufs.all(), (-1, -1, 0, -1)):  # unused slots, as the example's
+            buf.fill_(pad)
         graph, _ = ex.capture(w, bufs, shape)
         stream = torch.cuda.Stream()
         uploader = ex.PlainUploader(shape, bufs, torch.cuda.Event(), stream, pin_memory=True)
@@ -177,7 +177,10 @@ def profile_decode(args, device: str) -> dict:
 def measure_decode_routed(ex, shape, args) -> dict:
     """The example's own measurement: plain vs cucopy, host and wall µs a step."""
     ns = argparse.Namespace(steps=args.steps, batch=args.batch, seed=args.seed, rounds=args.rounds)
-    merged, plain, _stats, env, _embedded, _estats = ex.run_cuda(ns, shape)
+    try:
+        merged, plain, _stats, env, _embedded, _estats = ex.run_cuda(ns, shape)
+    except SystemExit as exc:  # the example's own message (CuPy missing)
+        return {"what": "examples/torch_decode_loop.py run_cuda", "error": str(exc)}
     out = {
         "what": "examples/torch_decode_loop.py run_cuda, same process",
         "plain_host_us": plain.summary()["median_host_us"],
@@ -240,12 +243,13 @@ def profile_hf(args, mode: str, device: str = "cuda") -> dict:
     copy counts then too, so the report's other rows mean nothing).
     """
     import torch
+
+    hf = hf_setup()  # first: its SystemExit says what is missing
     from transformers import GenerationConfig
     from transformers.generation.continuous_batching.input_outputs import (
         ContinuousBatchingAsyncIOs,
     )
 
-    hf = hf_setup()
     ns = argparse.Namespace(
         seed=args.seed,
         requests=args.requests,
@@ -363,6 +367,10 @@ def stored_hf_routed(mode: str, folder: str | None = None) -> dict | None:
 
 
 def _result(prof, ok: bool, lines: list, routed: dict | None) -> dict:
+    """One program's outcome: ``ok`` (the counts match), ``lines`` (the check, the
+    estimate, the routed result, as printed), ``report`` and ``skeleton`` (the
+    profiler's), ``estimate``, ``routed``, ``sites`` (per call site: op, calls, bytes,
+    waits, source) and ``steps``."""
     e = prof.estimate()
     est = {
         "copies_per_step": e.copies,
@@ -416,6 +424,8 @@ def _g(x: float) -> str:
 
 
 def _routed_text(r: dict) -> str:
+    if "error" in r:
+        return f"{r['what']}: did not run: {r['error']}"
     if "plain_host_us" in r:
         s = (
             f"{r['what']}: host a step plain {r['plain_host_us']:.1f} -> cucopy "
