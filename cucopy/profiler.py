@@ -93,6 +93,7 @@ __all__ = [
     "run_call",
     "run_script",
     "step",
+    "stored_costs",
 ]
 
 #: Where stored bench runs live in a source checkout (absent from an installed wheel).
@@ -383,6 +384,25 @@ class CopyProfile:
     Steps: the calls between two :meth:`step` marks form a step, and so do the calls
     before the first mark and after the last (an empty one of those two is left out).
     With no mark the whole block is one step.
+
+    Parameters
+    ----------
+    device, costs
+        As for :func:`profile`.
+
+    Attributes
+    ----------
+    device : str
+        The device type counted.
+    gpu_name : str or None
+        The GPU's name when ``device`` is ``"cuda"`` and torch sees one (host times are
+        measured then).
+    error : BaseException or None
+        The exception that ended the block, if any.
+    captured : int
+        Calls made during CUDA graph capture, left out (a graph replays them without a call).
+    elapsed_s : float
+        The block's wall time.
     """
 
     def __init__(self, *, device: str = "cuda", costs=None):
@@ -424,8 +444,10 @@ class CopyProfile:
             _ACTIVE = self
         try:
             self._start()
-        except BaseException:
-            _ACTIVE = None
+        except BaseException as exc:
+            self._stop(exc)
+            with _ACTIVE_LOCK:
+                _ACTIVE = None
             raise
         return self
 

@@ -304,6 +304,15 @@ def test_shipped_costs_are_run_50s_fit():
     assert "2026-12-02-h200-run50" in prof.report()
 
 
+def test_costs_default_and_a_costs_object_are_taken_as_given():
+    mine = profiler.CopyCosts(1, 2, 3, 4, 5, 6, 7, 8, gpu="Some GPU", source="mine")
+    for costs, want in (("default", profiler.DEFAULT_COSTS), (mine, mine)):
+        with cc.profile(device=DEV, costs=costs) as prof:
+            torch.zeros(2, device=DEV)
+        assert prof.costs() is want
+        assert f"costs: {want.source} [{want.gpu}]" in prof.report()
+
+
 def test_costs_errors_are_clear(tmp_path):
     with pytest.raises(FileNotFoundError, match="no such bench results file"):
         profiler.CopyCosts.from_bench(tmp_path / "nope.json")
