@@ -740,6 +740,10 @@ class CopyProfile:
                 f"cucopy.profile: no host-to-device uploads or fills on {where} seen in "
                 f"{nsteps} step{'s' if nsteps != 1 else ''}: nothing to merge",
             )
+            if self.device == "cuda" and not self.gpu_name:
+                lines.append(
+                    "(torch sees no CUDA device here: a stand-in such as 'meta' counts calls)"
+                )
             return "\n".join(lines) + "\n"
         copies = sum(sum(r.counts) for r in sites) / nsteps
         lines.insert(

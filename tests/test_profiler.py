@@ -145,6 +145,10 @@ def test_no_uploads_says_so():
     assert "no host-to-device uploads or fills on 'meta'" in text
     assert "nothing to merge" in text
     assert prof.sites == [] and prof.estimate().copies == 0
+    if not torch.cuda.is_available():
+        with cc.profile() as nothing:  # device="cuda" on a machine without one
+            torch.ones(3)
+        assert "torch sees no CUDA device here" in nothing.report()
     ns: dict = {}
     exec(prof.skeleton(), ns)
     assert list(ns["Site"]) == [] and ns["PLAN"].merge == frozenset()
