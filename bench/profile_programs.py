@@ -517,6 +517,23 @@ def main(argv=None) -> int:
     }
     (out / "profile_programs.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
     ran = [n for n, r in results.items() if "skipped" not in r]
+    for name in ran:  # one line each: the check, the estimate, the routed result
+        r = results[name]
+        est, routed = r["estimate"], r["routed"]
+        meas = "-"
+        if routed and "host_saved_us" in routed:
+            meas = f"host {routed['host_saved_us']:.1f}"
+            if routed.get("wall_saved_us") is not None:
+                meas += f", wall {routed['wall_saved_us']:.1f}"
+        elif routed and "step_saved_us" in routed:
+            meas = f"step {routed['step_saved_us']:.0f}, {routed['upload_method']} "
+            meas += f"{routed['upload_saved_us']:.1f}"
+        print(
+            f"  {name:9} {'match' if r['ok'] else 'DIFFER':6} {_g(est['copies_per_step']):>5} "
+            f"copies a step; estimate saves host {est['host_saved_us']:.1f}, GPU "
+            f"{est['gpu_saved_us']:.1f} us a step; routed saved (us a step): {meas}",
+            flush=True,
+        )
     print(
         f"profile_programs: {'all counts match' if ok else 'COUNTS DIFFER'} "
         f"({', '.join(ran) or 'nothing ran'}); wrote {out}",
