@@ -52,6 +52,7 @@ import argparse
 import contextlib
 import importlib.util
 import json
+import logging
 import sys
 from collections import Counter
 from pathlib import Path
@@ -245,6 +246,8 @@ def profile_hf(args, mode: str, device: str = "cuda") -> dict:
     import torch
 
     hf = hf_setup()  # first: its SystemExit says what is missing
+    # the engine warns once a persistent-manager run; errors still show (as the example does)
+    logging.getLogger("ContinuousBatchingLogger").setLevel(logging.ERROR)
     from transformers import GenerationConfig
     from transformers.generation.continuous_batching.input_outputs import (
         ContinuousBatchingAsyncIOs,
