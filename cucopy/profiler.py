@@ -1033,13 +1033,14 @@ def _make_mode_classes() -> tuple:
             if not prof._open or getattr(prof._tls, "inside", False):
                 return func(*args, **kwargs)
             dev = prof.device
-            found = None  # (op, upload, bytes, waits, pinned)
+            # (op, bytes, host sources, non_blocking, waits whatever the source); nothing
+            # here calls CUDA: is_pinned() is asked only after the capture check
+            found: tuple | None = None
             if func in copies:
                 dst, src = args[0], args[1]
                 if dst.device.type == dev and src.device.type == "cpu":
                     nb = args[2] if len(args) > 2 else kwargs.get("non_blocking", False)
-                    p = pinned(src)
-                    found = ("copy_", True, nbytes(src), not (p and nb), p)
+                    found = ("copy_", nbytes(src), [src], nb, False)
             elif func in to_copies:
                 src, target = args[0], kwargs.get("device")
                 if (
@@ -1047,8 +1048,7 @@ def _make_mode_classes() -> tuple:
                     and torch.device(target).type == dev
                     and src.device.type == "cpu"
                 ):
-                    p = pinned(src)
-                    found = (".to", True, nbytes(src), not (p and kwargs.get("non_blocking")), p)
+                    found = (".to", nbytes(src), [src], kwargs.get("non_blocking", False), False)
             elif func in index_puts:
                 dst, indices, values = args[0], args[1], args[2]
                 if dst.device.type == dev:
@@ -1056,8 +1056,7 @@ def _make_mode_classes() -> tuple:
                     if values.device.type == "cpu" and values.dim() > 0:
                         host.append(values)
                     if host:
-                        nb = sum(nbytes(t) for t in host)
-                        found = ("index_put_", True, nb, True, all(pinned(t) for t in host))
+                        found = ("index_put_", sum(nbytes(t) for t in host), host, False, True)
             elif func in foreach:
                 dsts, srcs = args[0], args[1]
                 nb = args[2] if len(args) > 2 else kwargs.get("non_blocking", False)
@@ -1070,8 +1069,11 @@ def _make_mode_classes() -> tuple:
                     t0 = perf()
                     out = func(*args, **kwargs)
                     dt = (perf() - t0) / len(pairs)
+                    if prof._capturing():
+                        prof.captured += len(pairs)
+                        return out
                     where = prof._call_site()
-                    if where is not None and not prof._capturing():
+                    if where is not None:
                         for _, s in pairs:
                             p = pinned(s)
                             prof._record(
@@ -1081,11 +1083,11 @@ def _make_mode_classes() -> tuple:
             elif func in fills:
                 dst = args[0]
                 if dst.device.type == dev:
-                    found = (fills[func], False, nbytes(dst), False, False)
+                    found = (fills[func], nbytes(dst), None, False, False)
             elif func in makers:
                 target = kwargs.get("device")
                 if target is not None and torch.device(target).type == dev:
-                    found = (makers[func], False, 0, False, False)
+                    found = (makers[func], 0, None, False, False)
             if found is None:
                 return func(*args, **kwargs)
             t0 = perf()
@@ -1096,10 +1098,14 @@ def _make_mode_classes() -> tuple:
                 return out
             where = prof._call_site()
             if where is not None:
-                op, upload, nb, waits, p = found
-                if op in makers.values():
-                    nb = nbytes(out)
-                prof._record(op, upload, nb, waits, p, dt, where)
+                op, nb_bytes, hosts, nb, always = found
+                if hosts is None:  # a fill: no host source, never waits
+                    if op in makers.values():
+                        nb_bytes = nbytes(out)
+                    prof._record(op, False, nb_bytes, False, False, dt, where)
+                else:
+                    p = all(pinned(t) for t in hosts)
+                    prof._record(op, True, nb_bytes, always or not (p and nb), p, dt, where)
             return out
 
     return FunctionMode, DispatchMode
