@@ -30,6 +30,7 @@ __all__ = [
     "expect_landed",
     "fill_tail",
     "flush",
+    "profile",
     "show_config",
 ]
 
@@ -40,4 +41,10 @@ def __getattr__(name):
         from . import check
 
         return check.CHECK_MODE
+    if name == "profile":
+        # imported on first use: ``python -m cucopy.profiler`` runs that module as
+        # ``__main__``, and runpy warns when the package has imported it already
+        from .profiler import profile
+
+        return profile
     raise AttributeError(f"module 'cucopy' has no attribute {name!r}")

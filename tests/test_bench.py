@@ -188,6 +188,7 @@ def test_bench_top_level_holds_the_main_job_only():
     tools = {"__init__", "__main__", "_common", "_device", "digest", "kernel_check", "cold_start"}
     tools |= {"host_ratio", "readme_table", "slim_results"}  # CI host figure; README table; results
     tools |= {"hf_ab"}  # transformers unmodified vs routed (the seam is in examples/)
+    tools |= {"profile_programs"}  # the copy profiler over the examples
     assert {p.stem for p in BENCH.glob("*.py")} <= set(SCENARIOS) | tools
 
 
