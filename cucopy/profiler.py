@@ -923,23 +923,21 @@ _DISPLAY: dict = {}
 
 
 def _display_path(path: str) -> str:
-    """``path`` relative to the working directory, else to its ``sys.path`` entry."""
+    """``path`` relative to the nearest folder holding it of the working directory and the
+    ``sys.path`` entries (a library under a virtual environment in the working directory
+    reads ``transformers/...``, not ``.venv/lib/...``)."""
     got = _DISPLAY.get(path)
     if got is not None:
         return got
     out = path
     if os.path.isabs(path):
-        cwd = os.getcwd() + os.sep
-        if path.startswith(cwd):
-            out = path[len(cwd) :]
-        else:
-            best = ""
-            for entry in sys.path:
-                e = os.path.abspath(entry or ".") + os.sep
-                if path.startswith(e) and len(e) > len(best):
-                    best = e
-            if best:
-                out = path[len(best) :]
+        best = ""
+        for entry in (os.getcwd(), *sys.path):
+            e = os.path.abspath(entry or ".") + os.sep
+            if path.startswith(e) and len(e) > len(best):
+                best = e
+        if best:
+            out = path[len(best) :]
     _DISPLAY[path] = out
     return out
 
