@@ -175,6 +175,18 @@ for ex in examples/*.py; do
     step "example_$(basename "$ex" .py)" 60 env PYTHONPATH=. "$PY" "$ex"
 done
 
+# the copy profiler over the decode example and transformers' continuous batching (both
+# modes): its counts against what the programs issue, its estimate beside the routed result
+step profile_programs 150 "$PY" bench/profile_programs.py --out "$work/bench/profile_programs"
+
+# before/after on this host, alternating processes (AB_BASE: a tree of the base commit;
+# its extension is built here): a merged step from NumPy and from pinned torch sources
+if [[ -n ${AB_BASE:-} ]]; then
+    step ab_build 120 bash -c "cd '$AB_BASE' && '$PY' setup.py -q build_ext --inplace"
+    step ab_step 200 bash -c "for r in 1 2 3; do for t in '$AB_BASE' .; do for s in numpy torch; do
+        '$PY' bench/probes/ab_step.py --tree \$t --steps 2000 --src \$s --label \$t; done; done; done"
+fi
+
 # transformers' continuous batching (generate_batch) unmodified and routed through cucopy,
 # one process per mode; rc 1 on any token mismatch, the targets are in the log and JSON
 # (--watchdog: every thread's stack in the log if a run hangs, before the step's timeout)
