@@ -25,9 +25,9 @@ DEV = "meta"  # a device type CPU torch has: copies to it are calls the profiler
 
 
 def _line(fn, marker: str) -> int:
-    """The line of ``fn``'s source holding ``marker``."""
+    """The line of ``fn``'s source ending in ``marker`` (a comment; not a lookup of it)."""
     lines, start = inspect.getsourcelines(fn)
-    (k,) = [i for i, text in enumerate(lines) if marker in text]
+    (k,) = [i for i, text in enumerate(lines) if text.rstrip().endswith(marker)]
     return start + k
 
 
