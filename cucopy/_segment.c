@@ -501,6 +501,8 @@ typedef struct Native {
     PyObject *fp;   /* the fingerprint function that declared it */
     PyObject *attr; /* the handle attribute's name */
     Py_ssize_t word_off; /* where the object holds the handle itself, or -1 (see below) */
+    Py_ssize_t flag_off; /* where the handle's object keeps bits that must be clear, or -1 */
+    uint64_t flag_mask;  /* those bits (torch: the key set's Conjugate and Negative) */
     nat_ptr_fn data_ptr;
     nat_i64_fn dim;
     nat_i64p_fn sizes, strides;
@@ -529,7 +531,8 @@ static Native *native_for(PyObject *fp) {
     PyObject *t = PyObject_GetAttr(fp, s_native);
     if (!t) {
         if (soft_clear() < 0) return NULL; /* (a BaseException: the caller sees it set) */
-    } else if (PyTuple_Check(t) && (PyTuple_GET_SIZE(t) == 6 || PyTuple_GET_SIZE(t) == 7) &&
+    } else if (PyTuple_Check(t) &&
+               (PyTuple_GET_SIZE(t) == 6 || PyTuple_GET_SIZE(t) == 7 || PyTuple_GET_SIZE(t) == 9) &&
              PyUnicode_Check(PyTuple_GET_ITEM(t, 0))) {
         void *f[5];
         int ok = 1;
@@ -545,10 +548,23 @@ static Native *native_for(PyObject *fp) {
             n->strides = (nat_i64p_fn)f[3];
             n->dtype = (nat_i32_fn)f[4];
             n->word_off = -1;
-            if (PyTuple_GET_SIZE(t) == 7) {
+            n->flag_off = -1;
+            if (PyTuple_GET_SIZE(t) >= 7) {
                 Py_ssize_t off = PyLong_AsSsize_t(PyTuple_GET_ITEM(t, 6));
                 if (off == -1 && PyErr_Occurred()) PyErr_Clear();
                 else if (off >= 16 && off % 8 == 0) n->word_off = off;
+            }
+            if (PyTuple_GET_SIZE(t) == 9) { /* (exact ints: no Python code runs) */
+                Py_ssize_t off = PyLong_CheckExact(PyTuple_GET_ITEM(t, 7))
+                                     ? PyLong_AsSsize_t(PyTuple_GET_ITEM(t, 7)) : -1;
+                unsigned long long mask = PyLong_CheckExact(PyTuple_GET_ITEM(t, 8))
+                                              ? PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(t, 8))
+                                              : 0;
+                if (PyErr_Occurred()) PyErr_Clear();
+                else if (off >= 0 && off % 8 == 0 && mask) {
+                    n->flag_off = off;
+                    n->flag_mask = mask;
+                }
             }
         }
     }
@@ -609,9 +625,13 @@ static int native_read(Native *n, PyObject *descr, PyTypeObject *tp, PyObject *x
     return native_geo(n, native_handle(n, descr, tp, x), g);
 }
 
-/* native_geo(n, impl) equal to was, compared as read (no copy, no memcmp call) */
+/* native_geo(n, impl) equal to was, compared as read (no copy, no memcmp call), and the
+ * handle's flag bits clear (a conjugate or negative view set in place: a miss) */
 static int native_same(Native *n, void *impl, const NGeo *was) {
     if (!impl) return 0;
+    if (n->flag_off >= 0 &&
+        (*(const uint64_t *)((const char *)impl + n->flag_off) & n->flag_mask))
+        return 0;
     void *word = impl, *ptr;
     int64_t ndim, *sz, *st;
     int32_t dtype;
@@ -734,7 +754,8 @@ static Cached *cached_new(PyObject *x, PyObject *fp, PyObject *dtype) {
         c->nval = c->ndescr ? PyMem_Malloc(sizeof(NGeo)) : NULL;
         void *impl = c->nval ? native_handle(nat, c->ndescr, Py_TYPE(x), x) : NULL;
         if (!impl && PyErr_Occurred()) { Py_DECREF(c); return NULL; }
-        if (impl && native_geo(nat, impl, c->nval) && native_flags(c, fp, Py_TYPE(x)) == 0) {
+        if (impl && native_geo(nat, impl, c->nval) &&
+            (nat->flag_off >= 0 || native_flags(c, fp, Py_TYPE(x)) == 0)) {
             c->nat = nat; /* else the spec below validates it */
             c->nat_word = nat->word_off >= 0 &&
                           Py_TYPE(x)->tp_basicsize >= nat->word_off + (Py_ssize_t)sizeof(void *) &&

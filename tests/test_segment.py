@@ -251,8 +251,71 @@ def test_torch_declares_native_getters_that_agree_with_its_attributes():
 
     native = getattr(torch_adapter.fingerprint, "__cucopy_native__", None)
     assert native is not None, "torch's aoti_torch_get_* getters were not usable"
-    assert native[0] == "_cdata" and len(native) == 7 and all(native[1:6])
+    assert native[0] == "_cdata" and len(native) == 9 and all(native[1:6])
     assert torch_adapter._native_getters() == native
+
+
+def test_torch_flag_word_holds_the_conjugate_and_negative_bits():
+    # the declared flag word (8th and 9th fields): clear on plain tensors, set on lazy
+    # conjugate and negative views, followed in place through .data =; the compiled core
+    # reads it instead of asking is_conj() and is_neg() of each cached tensor
+    torch = pytest.importorskip("torch")
+    import ctypes
+
+    from cucopy.adapters import torch as torch_adapter
+
+    off, mask = torch_adapter.fingerprint.__cucopy_native__[7:9]
+    assert (off, mask) == torch_adapter._flag_word() and off >= 0 and mask
+
+    def bits(t):
+        return ctypes.c_uint64.from_address(t._cdata + off).value & mask
+
+    x = torch.ones(4, dtype=torch.complex64)
+    assert not bits(x) and not bits(torch.zeros(3)) and not bits(x[1:])
+    assert bits(x.conj()) and bits(torch._neg_view(torch.zeros(2)))
+    x.data = x.conj()
+    assert bits(x)
+    x.data = x.resolve_conj()
+    assert not bits(x)
+
+
+def test_without_the_flag_word_cached_tensors_ask_the_flag_methods(monkeypatch):
+    # the guard's fallback: where the key set is not found (-1, 0), the compiled core asks
+    # __cucopy_flags__ (is_conj, is_neg) of a cached tensor instead, with the same result
+    torch = pytest.importorskip("torch")
+    from cucopy import adapters
+    from cucopy.adapters import torch as torch_adapter
+    from cucopy.backends.sim import SimDevice
+
+    base = torch_adapter.fingerprint
+
+    def fp(x):
+        return base(x)
+
+    fp.__cucopy_spec__ = base.__cucopy_spec__
+    fp.__cucopy_flags__ = base.__cucopy_flags__
+    native = getattr(base, "__cucopy_native__", None)
+    if native is not None:
+        fp.__cucopy_native__ = (*native[:7], -1, 0)
+    monkeypatch.setitem(adapters._fp_by_type, torch.Tensor, fp)
+
+    class S(cc.CopySite):
+        A = cc.H2D
+
+    dev = SimDevice(policy="lazy")
+    c = cc.DeviceCopier(
+        cc.CopyPlan(merge={S.A}), device=dev, backend="sim", stream=dev.default_stream
+    )
+    dst = dev.zeros((2,), np.complex64)
+    x = torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64)
+    for _ in range(3):
+        with c.step():
+            c.copy(S.A, dst, x)
+    x.data = x.conj()
+    with pytest.raises(TypeError, match="conjugate/negative bit"):
+        with c.step():
+            c.copy(S.A, dst, x)
+    assert dev.to_host(dst).tolist() == [1 + 2j, 3 - 4j]
 
 
 def test_torch_tensors_hold_their_handle_where_the_adapter_says():
