@@ -12,6 +12,7 @@ import numpy as np
 
 from . import _layout, check, pack
 from .adapters import ArrayInfo, fingerprint_fn, readonly_hint, resolve
+from .deadline import resolve_timeout
 from .errors import CopyError
 from .feed import GraphFeed
 from .plan import CopyPlan
@@ -334,11 +335,20 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
         one-node CUDA graph made once per ring slot, whose kernel reads the
         segment from the slot: half a kernel launch's host time, for about 2 µs
         more GPU time than ``inline``'s carried launch.
+    wait_timeout : float, optional
+        Seconds any host wait of this copier may last (a ring slot still in flight,
+        :meth:`close`, the slot an eager copy or a larger step needs) before it raises
+        :class:`CopyError` saying what it waited for. None: ``CUCOPY_WAIT_TIMEOUT``
+        from the environment, else 300. Waits poll the event and sleep between
+        queries (20 µs doubling to 1 ms); see :mod:`cucopy.deadline`.
 
     Raises
     ------
     ValueError
-        On a bad ``slots``, ``capacity`` or ``flush_mode``.
+        On a bad ``slots``, ``capacity``, ``flush_mode`` or ``wait_timeout`` (zero or
+        below), or a bad ``CUCOPY_WAIT_TIMEOUT``.
+    TypeError
+        On a ``wait_timeout`` that is not a number.
     """
 
     def __init__(
@@ -350,6 +360,8 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
         slots: int = 4,
         capacity: int = 1 << 20,
         flush_mode: str = "auto",
+        *,
+        wait_timeout: float | None = None,
     ):
         if plan is None:
             plan = _EMPTY_PLAN
@@ -361,6 +373,8 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
             raise ValueError(f"capacity: expected an int >= 4096 bytes, got {capacity!r}")
         if flush_mode not in FLUSH_MODES:
             raise ValueError(f"flush_mode: expected one of {FLUSH_MODES}, got {flush_mode!r}")
+        #: seconds any host wait of this copier may last (cucopy.deadline)
+        self.wait_timeout = resolve_timeout(wait_timeout)
         self.plan = plan
         self._merge = plan.merge
         self._barriers = plan.flush_after
@@ -397,6 +411,11 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
         self._ring = StagingRing(self._backend, slots, capacity)
         # the compiled step asks the next slot's event through the launcher when it can
         self._ring._launcher = self._launcher
+        # what a wait past its deadline reports (ring.wait_slot)
+        self._ring.timeout = self.wait_timeout
+        self._ring.stream = self._stream_obj if stream is not None else self._stream
+        self._sites_at: dict = {}  # destination address -> the last site staged there
+        self._ring.sites_at = self._sites_at
         self.stats = CopyStats()
         self._closed = False
         self._in_step = False
@@ -494,7 +513,12 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
                 self._ring.record(self._stream)
             except Exception:
                 # no event to wait on: wait for the stream itself before freeing the ring
-                self._backend.synchronize(self._stream)
+                if not self._backend.stream_wait(self._stream, self.wait_timeout):
+                    raise CopyError(
+                        f"close(): waited {self.wait_timeout:g} s (wait_timeout) for stream "
+                        f"{self._ring.stream!r} to drain before freeing the ring; it "
+                        "never did"
+                    ) from None
             self._closed = True
             self._in_step = False
             self._seg.fast = False
@@ -1049,6 +1073,7 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
         f = _layout.form(d.ptr, d.shape, d.strides, d.dtype.itemsize) if fp else None
         # never cached: an empty copy (it stages nothing), a form too wide to stage
         if f is not None and d.size and pack.fits(*f[1:]):
+            self._note_site(d.ptr, site)
             self._seg.remember(dst, fp, f, d.dtype, d.size, d.shape)
             self._remember_base(site, dst, fp)
         return fp
@@ -1442,6 +1467,7 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
         Returns ``(entry, offset)``, or ``(None, -1)`` when the slot is full.
         """
         seg = self._seg
+        self._note_site(descs[0][0] if isinstance(descs, list) else descs[0], site)
         for _ in range(2):
             r = seg.stage(site, on_drop, lo, hi, geom, nbytes, descs, h2d)
             if r == ORDER:
@@ -1454,6 +1480,16 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
                 return None, -1
             return r
         raise AssertionError("internal: a fresh segment refused a descriptor")
+
+    def _note_site(self, ptr: int, site) -> None:
+        """Remember the site staging into ``ptr`` (named by a wait past its deadline).
+
+        Called where a destination is first cached and on the general staging path,
+        never on the compiled fast path."""
+        at = self._sites_at
+        if len(at) >= 4096:
+            at.clear()
+        at[ptr] = site
 
     def _order_flush(self) -> None:
         if self._seg.staged:

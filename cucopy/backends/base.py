@@ -11,6 +11,8 @@ host addresses as the process sees them. Streams are whatever
 
 from __future__ import annotations
 
+from ..deadline import poll
+
 __all__ = ["Backend", "PinnedBuffer", "DeviceBuffer"]
 
 
@@ -233,6 +235,45 @@ class Backend:
         """Release an event."""
         # implemented by the backend
         raise NotImplementedError
+
+    def event_wait(self, event, timeout: float) -> bool:
+        """Block the host until ``event`` completes or ``timeout`` seconds pass.
+
+        Every wait the copier makes goes through here with its deadline
+        (:mod:`cucopy.deadline`). This one polls :meth:`event_query`, sleeping between
+        queries (20 µs doubling to 1 ms), never spinning.
+
+        Parameters
+        ----------
+        event : object
+            An event from :meth:`event_create`.
+        timeout : float
+            Seconds (``math.inf``: no bound).
+
+        Returns
+        -------
+        bool
+            True when the event completed, False when the deadline passed first.
+        """
+        return poll(self.event_query, event, timeout)
+
+    def stream_wait(self, stream, timeout: float) -> bool:
+        """Block until the work queued on ``stream`` has run, or ``timeout`` seconds pass.
+
+        A bounded :meth:`synchronize`: records a new event and waits for it
+        (:meth:`event_wait`).
+
+        Returns
+        -------
+        bool
+            True when the stream drained, False when the deadline passed first.
+        """
+        event = self.event_create()
+        try:
+            self.event_record(event, stream)
+            return self.event_wait(event, timeout)
+        finally:
+            self.event_destroy(event)
 
     # -- tuning ----------------------------------------------------------------
 

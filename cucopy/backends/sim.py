@@ -47,6 +47,7 @@ import numpy as np
 
 from .. import pack
 from ..adapters import ArrayInfo
+from ..deadline import poll
 from ..errors import CopyError
 from .base import Backend, DeviceBuffer, PinnedBuffer
 
@@ -220,6 +221,24 @@ class SimEvent:
         if self._stream is not None and not self.query():
             self._stream._run_until(lambda: self.query())
 
+    def wait(self, timeout: float) -> bool:
+        """Run the recording stream until the event completes, for at most ``timeout`` s.
+
+        Behind a stalled stream (:meth:`SimStream.hold` with ``stall=True``) the host
+        sleeps between queries until the hold ends (another thread) or the deadline
+        passes, as on a GPU whose kernel never ends; behind a plain hold it raises
+        :class:`SimDeadlock` at once, as :meth:`synchronize` does.
+
+        Returns
+        -------
+        bool
+            True when the event completed, False when the deadline passed first.
+        """
+        stream = self._stream
+        if stream is None or self.query():
+            return True
+        return poll(lambda _: stream._advance_until(self.query), None, timeout)
+
 
 class SimStream:
     """A FIFO queue of work that runs later, according to the device's policy."""
@@ -229,6 +248,7 @@ class SimStream:
         self.name = name
         self._queue = deque()
         self._holds = 0
+        self._stalls = 0  # holds that stall (hold(stall=True)): bounded waits time out
         self._graph = None
         self.ops = 0  # operations enqueued, for benchmarks
 
@@ -265,6 +285,22 @@ class SimStream:
                     "on a GPU the host would hang here"
                 )
             self._queue.popleft()()
+
+    @_serialized
+    def _advance_until(self, done) -> bool:
+        """Run queued work until ``done()`` or a stall; whether ``done()`` (see SimEvent.wait)."""
+        while not done():
+            if not self._queue:
+                raise AssertionError("internal: waited for work that was never enqueued")
+            if self._holds:
+                if self._holds > self._stalls:
+                    raise SimDeadlock(
+                        f"waited on sim stream {self.name or id(self)} while it is held: "
+                        "on a GPU the host would hang here"
+                    )
+                return False
+            self._queue.popleft()()
+        return True
 
     def launch(self, fn) -> None:
         """Enqueue foreign work: ``fn()`` runs in stream order (a stand-in for a kernel)."""
@@ -326,13 +362,25 @@ class SimStream:
         return len(self._queue)
 
     @contextlib.contextmanager
-    def hold(self):
-        """Stall the stream, as a long-running kernel does, until the block exits."""
+    def hold(self, *, stall: bool = False):
+        """Stall the stream, as a long-running kernel does, until the block exits.
+
+        Parameters
+        ----------
+        stall : bool
+            False: a host wait on the held work raises :class:`SimDeadlock` at once
+            (on a GPU it would hang). True: a stream that never completes, as behind
+            a hung kernel: a bounded wait (:meth:`SimEvent.wait`, the copier's waits)
+            sleeps until its deadline and reports it; an unbounded one still raises
+            :class:`SimDeadlock`.
+        """
         self._holds += 1
+        self._stalls += bool(stall)
         try:
             yield self
         finally:
             self._holds -= 1
+            self._stalls -= bool(stall)
             if not self._holds and self.device.policy == "eager":
                 self._run(len(self._queue))
 
@@ -848,6 +896,9 @@ class SimBackend(Backend):
 
     def event_destroy(self, event) -> None:
         pass
+
+    def event_wait(self, event, timeout: float) -> bool:
+        return event.wait(timeout)
 
     def mapped_threshold(self) -> int:
         return 4096
