@@ -3448,6 +3448,9 @@ typedef struct {
     /* counts of stats' totals the fast paths took, not yet folded into stats (a
      * Python attribute += costs ~0.1 us a time): _take_counts() hands them over */
     long long n_steps, n_segments, n_bytes, n_inline, n_mapped;
+    /* the Context its open step() block was entered in (0: none), and that step's
+     * sequence number (see current_context) */
+    long long step_ctx, step_seq;
 } CopierCore;
 
 #define COPIER_FIELDS(X) X(closed) X(in_step) X(owner) X(seg) X(checker) X(feed) \
@@ -3782,6 +3785,10 @@ static PyMemberDef copiercore_members[] = {
      "Steps begun by _begin_fast."},
     {"_fast_flushes", T_LONGLONG, offsetof(CopierCore, fast_flushes), READONLY,
      "Segments landed by _flush_fast."},
+    {"_step_ctx", T_LONGLONG, offsetof(CopierCore, step_ctx), READONLY,
+     "The Context (its address) the open step() block was entered in; 0: none."},
+    {"_step_seq", T_LONGLONG, offsetof(CopierCore, step_seq), READONLY,
+     "The open step() block's sequence number (the innermost step has the largest)."},
     {NULL},
 };
 #undef MEMBER
@@ -3835,6 +3842,33 @@ static PyObject *stepcore_plain_flush(PyObject *type, PyObject *func) {
     Py_RETURN_NONE;
 }
 
+/* -- a step activates its copier (issue 30: no silent bypass) -----------------------
+ * For the block's duration the copier is the one cucopy.copy routes to in the
+ * context the step was entered in. Setting the context variable cucopy.copy reads
+ * costs ~1.4k instructions a step (PyContextVar_Set + Reset: a HAMT node and a
+ * token), so the step records its context instead (the thread state's current
+ * Context object, and a sequence number: the innermost step wins), a few
+ * instructions; cucopy.copy's Python fallback, taken only when no copier is
+ * activated, finds the copier by it (copier._step_copier). */
+static long long step_counter;
+
+/* the calling thread's current Context object (made now if it has none yet), or NULL
+ * with an exception set */
+static PyObject *current_context(void) {
+    PyThreadState *ts = PyThreadState_Get();
+    if (!ts->context) {
+        PyObject *copy = PyContext_CopyCurrent(); /* makes the thread's context */
+        if (!copy) return NULL;
+        Py_DECREF(copy);
+    }
+    return ts->context;
+}
+
+static PyObject *mod_context_id(PyObject *m, PyObject *unused) {
+    PyObject *ctx = current_context();
+    return ctx ? PyLong_FromVoidPtr(ctx) : NULL;
+}
+
 /* flush() of copier c: DeviceCopier.flush's body with its _flush_fast called from here
  * (one Python frame less a step), or the copier's own flush() when a subclass has one */
 static PyObject *step_flush(CopierCore *c) {
@@ -3865,7 +3899,7 @@ static PyObject *step_flush(CopierCore *c) {
     return r;
 }
 
-static PyObject *stepcore_enter(StepCore *st, PyObject *unused) {
+static PyObject *stepcore_open(StepCore *st) {
     PyObject *o = st->copier;
     if (o && st->graph == Py_None && PyObject_TypeCheck(o, &CopierCoreType) && plain_begin &&
         _PyType_Lookup(Py_TYPE(o), s_begin) == plain_begin) {
@@ -3883,11 +3917,31 @@ static PyObject *stepcore_enter(StepCore *st, PyObject *unused) {
     return PyObject_CallMethodNoArgs((PyObject *)st, s_enter);
 }
 
+static PyObject *stepcore_enter(StepCore *st, PyObject *unused) {
+    PyObject *ctx = current_context();
+    if (!ctx) return NULL;
+    PyObject *r = stepcore_open(st);
+    if (r && PyObject_TypeCheck(st->copier, &CopierCoreType)) {
+        CopierCore *c = (CopierCore *)st->copier;
+        c->step_ctx = (long long)(uintptr_t)ctx;
+        c->step_seq = ++step_counter;
+    }
+    return r;
+}
+
+static PyObject *stepcore_close(StepCore *st, PyObject *const *args, Py_ssize_t nargs);
+
 static PyObject *stepcore_exit(StepCore *st, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 3) {
         PyErr_SetString(PyExc_TypeError, "__exit__(type, value, traceback)");
         return NULL;
     }
+    if (st->copier && PyObject_TypeCheck(st->copier, &CopierCoreType))
+        ((CopierCore *)st->copier)->step_ctx = 0; /* the block ends, whatever happens */
+    return stepcore_close(st, args, nargs);
+}
+
+static PyObject *stepcore_close(StepCore *st, PyObject *const *args, Py_ssize_t nargs) {
     PyObject *o = st->copier;
     if (args[0] != Py_None || st->graph != Py_None || !o ||
         !PyObject_TypeCheck(o, &CopierCoreType) || !((CopierCore *)o)->seg ||
@@ -3992,6 +4046,8 @@ static PyObject *mod_native_word_reads(PyObject *m, PyObject *unused) {
 }
 
 static PyMethodDef module_methods[] = {
+    {"_context_id", mod_context_id, METH_NOARGS,
+     "The calling thread's current Context object's address (steps record theirs)."},
     {"_native_word_reads", mod_native_word_reads, METH_NOARGS,
      "Cached tensors validated through the handle word they hold (native_word), so far."},
     {NULL},

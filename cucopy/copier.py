@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextvars
 import os
 import threading
@@ -23,6 +24,7 @@ from .segment import CopierCore as _CompiledCopierCore
 from .segment import FastCopy as _FastCopy
 from .segment import FastRoute as _FastRoute
 from .segment import StepCore as _CompiledStepCore
+from .segment import context_id as _context_id
 from .sites import CopySite, Direction
 from .stats import CopyStats
 
@@ -88,17 +90,39 @@ class PyStepCore:
     reference always calls.
     """
 
-    __slots__ = ("_copier", "_graph")
+    __slots__ = ("_copier", "_graph", "_token")
 
     def __init__(self, copier: DeviceCopier, graph=None):
         self._copier = copier
         self._graph = graph
+        self._token = None
 
     def __enter__(self) -> DeviceCopier:
-        return self._enter()  # type: ignore[attr-defined]
+        # the step activates its copier for the block (module-level cucopy.copy routes
+        # to it), unless it already is the active one; reset when the step ends. (The
+        # compiled twin records the step's context instead, which costs the step less:
+        # see _step_copier.)
+        if _active.get() is not self._copier:
+            self._token = _active.set(self._copier)
+        try:
+            return self._enter()  # type: ignore[attr-defined]
+        except BaseException:
+            self._deactivate()
+            raise
 
     def __exit__(self, tp, exc, tb) -> bool:
-        return self._exit(tp, exc, tb)  # type: ignore[attr-defined]
+        try:
+            return self._exit(tp, exc, tb)  # type: ignore[attr-defined]
+        finally:
+            self._deactivate()
+
+    def _deactivate(self) -> None:
+        token, self._token = self._token, None
+        if token is not None:
+            try:
+                _active.reset(token)
+            except ValueError:  # made in another context (a step left in another task)
+                pass
 
 
 _StepCore = PyStepCore if _CompiledStepCore is None else _CompiledStepCore
@@ -1709,9 +1733,64 @@ _plain: dict = {}
 _plain_lock = threading.Lock()
 
 
+#: module-level copies and fills made with no copier to route to (plain copies), by site
+unrouted: collections.Counter = collections.Counter()
+
+
 def active_copier() -> DeviceCopier | None:
-    """The copier :func:`activate <DeviceCopier.activate>` made active here, if any."""
-    return _active.get()
+    """The copier :func:`cucopy.copy` routes to here, if any.
+
+    The copier active in this thread / task: the one whose ``step()`` block is open
+    (a step activates its copier for the block; the innermost, when several are), or
+    the one :func:`activate <DeviceCopier.activate>` made active.
+    """
+    c = _active.get()
+    return c if c is not None else _step_copier()
+
+
+def _step_copier() -> DeviceCopier | None:
+    """With the compiled step: the copier whose ``step()`` block is open in this context.
+
+    The compiled step records the context it was entered in rather than setting the
+    context variable (``_segment.c``, "a step activates its copier"), so a module-level
+    call that finds no copier activated looks here: a scan of the live copiers, on a
+    path the steady step never takes. (The pure-Python step sets the variable.)
+    """
+    if _context_id is None:
+        return None
+    ctx = _context_id()
+    best = None
+    for c in list(check._live):
+        if c._step_ctx == ctx and (best is None or c._step_seq > best._step_seq):
+            best = c
+    return best
+
+
+def _unrouted(site, dst, call: str) -> None:
+    """A module-level call with no active copier: count it as unrouted (a plain copy).
+
+    Raises :class:`CopyError` for an unrouted call when check mode refuses them
+    (``cucopy.check.REFUSE_UNROUTED``).
+    """
+    if check.CHECK_MODE and check.REFUSE_UNROUTED:
+        try:
+            what = resolve(dst).label
+        except Exception:
+            what = repr(dst)
+        others = [c for c in list(check._live) if not c.__dict__.get("_plain")]
+        why = (
+            "no copier exists"
+            if not others
+            else f"{len(others)} copier(s) exist but none is active here"
+        )
+        raise CopyError(
+            f"{_label(site)}: cucopy.{call}() into dst={what} has no copier to route to "
+            f"({why}: no activate() block and no step() block open in this thread); check "
+            f"mode refuses unrouted copies (cucopy.check.REFUSE_UNROUTED, from "
+            f"CUCOPY_CHECK_UNROUTED=1). Open the copier's step() or activate() it around "
+            "this call"
+        )
+    unrouted[site] += 1
 
 
 def _plain_key(dst, site):
@@ -1751,6 +1830,7 @@ def _lease(dst, site=None):
     c = DeviceCopier(
         None, stream=stream, device=info.device, backend=backend, slots=4, capacity=1 << 16
     )
+    c._plain = True  # not an engine's copier (the refusal's message counts those)
     return key, c
 
 
@@ -1773,15 +1853,22 @@ def _plain_copier(dst, site=None) -> DeviceCopier:
 def copy(site: CopySite, dst, src, *, unchanged: bool = False, on_drop=None) -> bool:
     """Copy through the active copier, or as a plain async copy when none is active.
 
-    A plain copy goes on the array library's current stream and is still
+    The active copier is the one whose ``step()`` block is open here, or the one
+    activated here (:func:`active_copier`). A plain copy is counted in
+    ``cucopy.copier.unrouted`` (shown by :func:`cucopy.show_config`), and refused in
+    check mode when ``cucopy.check.REFUSE_UNROUTED`` is set. A plain copy goes on the
+    array library's current stream and is still
     snapshotted (the caller may overwrite a host source right after). Threads (and
     tasks) with no active copier may make plain copies at the same time: each call
     has a plan-less copier to itself.
     See :meth:`DeviceCopier.copy` for the parameters.
     """
     c = _active.get()
+    if c is None:
+        c = _step_copier()
     if c is not None:
         return c.copy(site, dst, src, unchanged=unchanged, on_drop=on_drop)
+    _unrouted(site, dst, "copy")
     key, c = _lease(dst, site)
     try:
         return c.copy(site, dst, src, unchanged=unchanged, on_drop=on_drop)
@@ -1803,8 +1890,11 @@ def fill_tail(
     See :meth:`DeviceCopier.fill_tail` for the parameters.
     """
     c = _active.get()
+    if c is None:
+        c = _step_copier()
     if c is not None:
         return c.fill_tail(site, dst, start, value, unchanged=unchanged, on_drop=on_drop)
+    _unrouted(site, dst, "fill_tail")
     key, c = _lease(dst, site)
     try:
         return c.fill_tail(site, dst, start, value, unchanged=unchanged, on_drop=on_drop)
@@ -1813,7 +1903,10 @@ def fill_tail(
 
 
 def flush() -> None:
-    """Flush the active copier (a barrier); nothing to do when none is active."""
-    c = _active.get()
+    """Flush the active copier (a barrier); nothing to do when none is active.
+
+    The active copier: see :func:`active_copier` (a step activates its copier).
+    """
+    c = active_copier()
     if c is not None:
         c.flush()

@@ -792,6 +792,9 @@ CopierCore = None
 StepCore = None
 #: ``cucopy.copier._PyActivation``'s compiled twin (None with the pure-Python segment)
 Activation = None
+#: the calling thread's current Context's address, which the compiled step records
+#: (``cucopy.copier._step_copier``; None with the pure-Python segment)
+context_id = None
 if not os.environ.get("CUCOPY_PURE_PYTHON"):
     try:
         from . import _segment as _compiled
@@ -814,4 +817,5 @@ if not os.environ.get("CUCOPY_PURE_PYTHON"):
         CopierCore = _compiled.CopierCore
         StepCore = _compiled.StepCore
         Activation = _compiled.Activation
+        context_id = _compiled._context_id
         IMPLEMENTATION = "compiled"
