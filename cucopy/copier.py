@@ -6,6 +6,7 @@ import collections
 import contextvars
 import os
 import threading
+import warnings
 import weakref
 from typing import NoReturn
 
@@ -462,7 +463,9 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
         self._tables = WindowMax(DEMAND_WINDOW)  # largest table per step
         self._try_h2d = self._seg.try_h2d
         # collected without close(): the ring is set aside, not freed by the collector
-        self._finalizer = weakref.finalize(self, orphan, self._ring)
+        self._finalizer = weakref.finalize(
+            self, _collected, self._ring, self._seg, self._backend.describe()
+        )
         check.register(self)
 
     # -- properties -----------------------------------------------------------------
@@ -1634,6 +1637,45 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
 
 
 _active: contextvars.ContextVar = contextvars.ContextVar("cucopy_active_copier", default=None)
+
+
+def _collected(ring, seg, where: str) -> None:
+    """The finalizer of a copier the garbage collector took without :meth:`close`.
+
+    Nothing staged is lost without a word: copies still staged cannot land here (a
+    collection may run anywhere, inside a stream hold too, and a launch from a
+    finalizer would race the thread that dropped the copier), so they are dropped
+    through their ``on_drop`` callbacks, with a :class:`ResourceWarning` naming them.
+    The ring is set aside and freed later (:func:`cucopy.ring.free_orphans`).
+    """
+    try:
+        entries = seg.reset() if seg.staged else []
+        if entries:
+            sites: dict = {}
+            for e in entries:
+                sites[_label(e.site)] = sites.get(_label(e.site), 0) + 1
+            warnings.warn(
+                f"cucopy: a DeviceCopier on {where} was collected without close() with "
+                f"{len(entries)} staged copies ("
+                + ", ".join(f"{k} x{v}" for k, v in sites.items())
+                + "): they never land; dropped, their on_drop callbacks called. Close the "
+                "copier (`with copier:`) or end its step to land them",
+                ResourceWarning,
+                stacklevel=2,
+            )
+            for e in entries:
+                for cb in e.on_drop or ():
+                    try:
+                        cb()
+                    except Exception as exc:  # every callback runs; each failure is said
+                        warnings.warn(
+                            f"cucopy: {_label(e.site)}: on_drop raised {exc!r} while a "
+                            "collected copier dropped its staged copies",
+                            ResourceWarning,
+                            stacklevel=2,
+                        )
+    finally:
+        orphan(ring)
 
 if _CompiledStepCore is not None:
     # step()'s compiled entry opens the step itself only for this begin(); a subclass
