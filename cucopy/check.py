@@ -27,7 +27,15 @@ from . import _layout
 from .adapters import resolve
 from .errors import CopyError
 
-__all__ = ["CHECK_MODE", "REFUSE_UNROUTED", "expect_landed", "Checker", "verify_unchanged"]
+__all__ = [
+    "CHECK_MODE",
+    "REFUSE_UNROUTED",
+    "SENTINEL_FLOAT",
+    "SENTINEL_INT",
+    "expect_landed",
+    "Checker",
+    "verify_unchanged",
+]
 
 CHECK_MODE: bool = os.environ.get("CUCOPY_CHECK", "") not in ("", "0")
 #: in check mode, refuse module-level copies with no copier to route to (they would
@@ -143,6 +151,19 @@ def _first_diff(site, what, info, got, want) -> None:
     )
 
 
+#: the byte check mode writes over a merged destination at the call, until its copy
+#: lands: floats read NaN, integers a large odd value (0xA5A5...), so a reader that
+#: runs before the barrier sees garbage a test notices
+SENTINEL_FLOAT = 0xFF
+SENTINEL_INT = 0xA5
+
+
+def sentinel_byte(dtype) -> int:
+    """The sentinel byte for a destination of ``dtype`` (None: an unknown dtype)."""
+    kind = getattr(dtype, "kind", "f")
+    return SENTINEL_FLOAT if kind in "fc" else SENTINEL_INT
+
+
 class Checker:
     """One step's check-mode bookkeeping for a copier."""
 
@@ -152,6 +173,54 @@ class Checker:
         self.stream = copier.stream
         self.pending = []
         self.snaps = []
+        # the staged entries' sentinel rows (id -> (entry, byte, rows)) and the
+        # backend's watches over them, until their segment lands or is dropped
+        self.marks: dict = {}
+        self.tokens: list = []
+
+    def _mark(self, e, d, payload) -> None:
+        """Write the sentinel over ``e``'s destination rows and watch them (at the call's
+        position on the stream, right after the call's snapshot)."""
+        be, stream = self.backend, self.stream
+        byte = sentinel_byte(d.dtype if d is not None else None)
+        rows = []
+        for desc, _ in payload:
+            dst, dpitch, width, nrows = desc[0], desc[3], desc[5], desc[6]
+            be.fill(dst, dpitch, width, nrows, byte, 1, stream)
+            rows += [(dst + r * dpitch, width) for r in range(nrows)]
+        self.marks[id(e)] = (e, byte, rows)
+        what = d.label if d is not None else f"[{e.lo:#x}, {e.hi:#x})"
+        label = f"{_label(e.site)}: merged destination bytes of {what}"
+        self.tokens.append(be.watch(rows, label, stream))
+
+    def _expected(self, e, before: np.ndarray) -> np.ndarray:
+        """``e``'s call snapshot with the sentinels written since (any entry's, in its extent)."""
+        want = before.copy()
+        for _, byte, rows in self.marks.values():
+            for a, w in rows:
+                x0, x1 = max(a, e.lo), min(a + w, e.hi)
+                if x0 < x1:
+                    want[x0 - e.lo : x1 - e.lo] = byte
+        return want
+
+    def landed(self) -> None:
+        """The staged copies' launch is enqueued: stop watching them after it."""
+        tokens, self.tokens = self.tokens, []
+        self.marks.clear()
+        self.backend.unwatch(tokens, self.stream)
+
+    def dropped(self) -> None:
+        """The staged copies were dropped: put back the bytes the sentinel covered (from
+        each entry's call snapshot, on the stream) and stop watching them."""
+        be, stream = self.backend, self.stream
+        for e, _, rows in self.marks.values():
+            snap = e.snap
+            if snap is None or (snap.owned and snap.data is not None):
+                continue  # (a snapshot freed once read: nothing to copy back from)
+            for a, w in rows:
+                if e.lo <= a and a + w <= e.hi:
+                    be.copy2d(False, a, w, snap.buf.ptr + (a - e.lo), w, w, 1, stream)
+        self.landed()
 
     def snap(self, lo, hi) -> _Snap:
         """Snapshot device bytes at the current stream position."""
@@ -167,6 +236,7 @@ class Checker:
         Returns their device buffers, to be freed once the stream has passed
         the copies that fill them.
         """
+        self.dropped()
         snaps, self.snaps, self.pending = self.snaps, [], []
         return [snap.buf for snap in snaps if snap.data is None and snap.owned]
 
@@ -187,6 +257,7 @@ class Checker:
         e.data = payload
         if s is not None and e.ssnap is None:
             e.ssnap = self.snap(e.slo, e.shi)
+        self._mark(e, d, payload)
         c.stats.sites[e.site].checked += 1
 
     def before_flush(self, entries) -> None:
@@ -196,7 +267,7 @@ class Checker:
             for e in entries
         ]
         for e, after, safter in afters:
-            before = e.snap.read(self.backend, self.stream)
+            before = self._expected(e, e.snap.read(self.backend, self.stream))
             now = after.read(self.backend, self.stream)
             if not np.array_equal(before, now):
                 k = int(np.flatnonzero(before != now)[0])

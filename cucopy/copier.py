@@ -921,6 +921,10 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
                 mode = "inline" if total <= cmax else "mapped"
                 how = self._land(start, end, nblocks, n, mode, cmax, slot, pin)
             slot.dirty = True  # read when the replay runs: the slot's event follows it
+            if self._checker is not None:
+                # the watches end where the replay starts: its feed node, first in the
+                # graph, lands the copies before the graph's readers run
+                self._checker.landed()
             be.graph_launch(graph, self._stream)
         except BaseException as exc:
             if posted:
@@ -1210,7 +1214,7 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
         if seg.append_h2d(site, on_drop, f, lo, hi, nbytes, kind, s.host):
             if self._checker is None and site not in self._barriers:
                 return True
-            return self._landed_by_barrier(site, seg.entries[-1], None, None)
+            return self._landed_by_barrier(site, seg.entries[-1], d, None)
         desc = (ptr, 0, 0, pitch, width, width, rows, kind, 0, 0)
         e, off = self._stage(site, on_drop, lo, hi, f, nbytes, desc, True)
         if e is None:
@@ -1540,6 +1544,8 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
         seg.reset()
         seg.set_cursor(pack.align(seg.cursor))
         self._slot.dirty = True
+        if self._checker is not None:
+            self._checker.dropped()  # the sentinel's bytes back, the watches off
         try:
             self._run_drops(entries)
         except CopyError:
@@ -1586,6 +1592,8 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
             if err is exc:
                 raise  # a CopyError already names the site; KeyboardInterrupt stays one
             raise err from exc
+        if checker is not None:
+            checker.landed()  # its watches end after the launch that lands the copies
         if how != "inline":
             # the launch reads the slot when it runs: the slot's event must follow it.
             # An inline launch took its bytes at enqueue, so it needs no event (one
@@ -1676,6 +1684,7 @@ def _collected(ring, seg, where: str) -> None:
                         )
     finally:
         orphan(ring)
+
 
 if _CompiledStepCore is not None:
     # step()'s compiled entry opens the step itself only for this begin(); a subclass

@@ -275,6 +275,28 @@ class Backend:
         finally:
             self.event_destroy(event)
 
+    # -- check mode --------------------------------------------------------------
+
+    def watch(self, rows, label: str, stream):
+        """Check mode: from this point of ``stream`` on, raise when other work touches ``rows``.
+
+        ``rows`` are ``(device address, bytes)`` runs of a merged destination whose
+        copy is staged; ``label`` starts the error (the site and the destination).
+        Work issued through this backend instance (its copier's own) is exempt. A
+        backend that cannot see other work returns None (the sentinel the copier
+        writes into the destination is then what a premature reader sees).
+
+        Returns
+        -------
+        object
+            A token for :meth:`unwatch`, or None.
+        """
+        return None
+
+    def unwatch(self, tokens, stream) -> None:
+        """Check mode: stop the watches ``tokens`` at this point of ``stream`` (after the
+        launch that lands their copies, or when they are dropped)."""
+
     # -- tuning ----------------------------------------------------------------
 
     def mapped_threshold(self) -> int:

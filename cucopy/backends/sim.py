@@ -89,6 +89,30 @@ def _serialized(method: _F) -> _F:
     return cast(_F, run)
 
 
+def _rows_of(arr) -> list:
+    """``(address, width)`` of each contiguous run of ``arr``'s bytes."""
+    from .._layout import blocks
+
+    it = arr.dtype.itemsize
+    return [
+        (ptr + r * pitch, width)
+        for ptr, rows, width, pitch in blocks(arr.ptr, arr.shape, arr.strides, it)
+        for r in range(rows)
+    ]
+
+
+def _desc_rows(seg) -> list:
+    """The bytes a segment's descriptors write, and the device bytes its D2D copies read."""
+    _, descs = pack.decode(seg)
+    out = []
+    for d in descs:
+        w, n = int(d["width"]), int(d["rows"])
+        out += [(int(d["dst"]) + r * int(d["dst_pitch"]), w) for r in range(n)]
+        if int(d["kind"]) == pack.KIND_D2D:
+            out += [(int(d["src"]) + r * int(d["src_pitch"]), w) for r in range(n)]
+    return out
+
+
 class SimDeadlock(CopyError):
     """The host waited for a stream that is held: on a GPU this would hang."""
 
@@ -134,7 +158,15 @@ class SimArray:
 
     def __setitem__(self, idx, value) -> None:
         # a blocking write, as cudaMemcpy on the legacy default stream
-        self.device.synchronize()
+        dev = self.device
+        dev.synchronize()
+        if dev._watches:
+            sub = self._view[(idx if isinstance(idx, tuple) else (idx,)) + (Ellipsis,)]
+            ptr = self._base + (sub.__array_interface__["data"][0] - self._alloc.ctypes.data)
+            rows = _rows_of(
+                SimArray(dev, sub.reshape(-1) if sub.ndim == 0 else sub, self._alloc, self._base)
+            )
+            dev._touch(rows, f"a host write into {self!r}[{idx!r}] (at {ptr:#x})")
         self._view[idx] = value
 
     @property
@@ -260,18 +292,30 @@ class SimStream:
         if self._graph is not None:
             self._graph._ops.append(fn)
             return
-        self._queue.append(fn)
         dev = self.device
+        dev._epoch += 1
+        self._queue.append((fn, dev._epoch))
         if dev.policy == "eager":
             self._run(len(self._queue))
         elif dev.policy == "random":
             self._run(int(dev.rng.integers(0, len(self._queue) + 1)))
 
+    def _exec(self) -> None:
+        """Run the oldest queued operation (the device knows which stream runs it)."""
+        fn, epoch = self._queue.popleft()
+        dev = self.device
+        prev = dev._running, dev._running_epoch
+        dev._running, dev._running_epoch = self, epoch
+        try:
+            fn()
+        finally:
+            dev._running, dev._running_epoch = prev
+
     @_serialized
     def _run(self, n) -> None:
         q = self._queue
         while n > 0 and q and not self._holds:
-            q.popleft()()
+            self._exec()
             n -= 1
 
     @_serialized
@@ -284,7 +328,7 @@ class SimStream:
                     f"waited on sim stream {self.name or id(self):} while it is held: "
                     "on a GPU the host would hang here"
                 )
-            self._queue.popleft()()
+            self._exec()
 
     @_serialized
     def _advance_until(self, done) -> bool:
@@ -299,7 +343,7 @@ class SimStream:
                         "on a GPU the host would hang here"
                     )
                 return False
-            self._queue.popleft()()
+            self._exec()
         return True
 
     def launch(self, fn) -> None:
@@ -489,6 +533,17 @@ class SimDevice:
         self.carry_capacities = pack.CARRY_CAPACITIES
         self.graph_capacity = 0
         self._feeds = 0  # graph feeds captured (SimBackend.feed_capture)
+        #: check mode's watches (SimBackend.watch): token -> (rows, label, owner backend,
+        #: stream, the host-order epoch of the call, [armed on the stream])
+        self._watches: dict = {}
+        self._watch_ids = itertools.count(1)
+        self._running = None  # the stream whose operation runs now
+        self._running_epoch = 0  # and when (in host order) that operation was enqueued
+        self._epoch = 0  # operations enqueued on any stream so far (host order)
+        #: False: the device reads zeros through mapped pinned memory (as under GPU
+        #: confidential computing, where a mapping may not be coherent); set before
+        #: making a copier
+        self.mapped_coherent = True
 
     # -- memory ---------------------------------------------------------------
 
@@ -531,8 +586,44 @@ class SimDevice:
         return np.array(arr._view, copy=True)
 
     def raw(self, arr: SimArray) -> np.ndarray:
-        """Writable NumPy view of the array's device bytes (for work run in stream order)."""
+        """Writable NumPy view of the array's device bytes (for work run in stream order).
+
+        In check mode, work that asks for bytes of a merged destination whose copy has
+        not landed yet raises :class:`~cucopy.CopyError` (a reader or writer before
+        its barrier).
+        """
+        if self._watches and self._running is not None:
+            self._touch(
+                _rows_of(arr),
+                f"dev.raw({arr!r}) in work launched on stream {self._running.name}",
+            )
         return arr._view
+
+    def _touch(self, rows, op: str, owner=None) -> None:
+        """Raise if ``rows`` ((address, width) pairs) meet a watched destination.
+
+        ``owner``: the backend issuing the operation (its own copier's watches do not
+        apply: it orders its own work).
+        """
+        running, epoch = self._running, self._running_epoch
+        for wrows, label, wowner, wstream, wepoch, armed in list(self._watches.values()):
+            if owner is not None and wowner is owner:
+                continue
+            if running is wstream or running is None:
+                if not armed[0]:  # the copier's stream has not reached the call yet
+                    continue
+            elif epoch <= wepoch:  # another stream's work, issued before the call
+                continue
+            for a, w in rows:
+                for b, v in wrows:
+                    if a < b + v and b < a + w:
+                        lo, hi = max(a, b), min(a + w, b + v)
+                        raise CopyError(
+                            f"{label} [{lo:#x}, {hi:#x}) were read or written by "
+                            f"other work before its barrier: {op}. The plan promises that "
+                            "nothing touches a merged destination before its barrier: make "
+                            "the site a flush_after barrier, or flush() before this work"
+                        )
 
     def pinned_empty(self, shape, dtype=np.float32) -> np.ndarray:
         """A page-locked host array: async copies read it when they run."""
@@ -741,9 +832,18 @@ class SimBackend(Backend):
                 )
                 return rows_of.copy().reshape(-1)
 
+            srows = [(src + r * spitch, width) for r in range(rows)]
             spitch = width  # of the packed rows load() returns
 
         def run():
+            if dev._watches:  # check mode: another copier's merged destination?
+                dst_rows = [(dst + r * dpitch, width) for r in range(rows)]
+                dev._touch(
+                    dst_rows if h2d else dst_rows + srows,
+                    f"a {'H2D' if h2d else 'D2D'} copy into [{dst:#x}, +{span}) on stream "
+                    f"{stream.name}",
+                    self,
+                )
             data = load()
             for r in range(rows):
                 dev._mem(dst + r * dpitch, width)[:] = data[r * spitch : r * spitch + width]
@@ -756,6 +856,12 @@ class SimBackend(Backend):
         row = np.frombuffer(int(value).to_bytes(8, "little")[:elem] * (width // elem), np.uint8)
 
         def run():
+            if dev._watches:
+                dev._touch(
+                    [(dst + r * dpitch, width) for r in range(rows)],
+                    f"a fill of [{dst:#x}, +{(rows - 1) * dpitch + width}) on stream {stream.name}",
+                    self,
+                )
             for r in range(rows):
                 dev._mem(dst + r * dpitch, width)[:] = row
 
@@ -796,6 +902,10 @@ class SimBackend(Backend):
                     f"{int(header['nblocks'])}"
                 )
             order = dev.rng.permutation(n)
+            if dev._watches:
+                dev._touch(
+                    _desc_rows(seg), f"another copier's scatter on stream {stream.name}", self
+                )
 
             def store(addr, data):
                 dev._mem(addr, len(data))[:] = np.frombuffer(data, np.uint8)
@@ -899,6 +1009,35 @@ class SimBackend(Backend):
 
     def event_wait(self, event, timeout: float) -> bool:
         return event.wait(timeout)
+
+    def watch(self, rows, label: str, stream):
+        """Check mode: from this point of ``stream`` on, other work touching ``rows``
+        raises (see :meth:`cucopy.backends.base.Backend.watch`)."""
+        dev = self.device
+        token = next(dev._watch_ids)
+        armed = [False]
+        # from the call on for work another stream issues after it (in host order);
+        # on the copier's own stream, from the call's position in it on
+        dev._watches[token] = (list(rows), label, self, stream, dev._epoch, armed)
+
+        def arm():
+            armed[0] = True
+
+        stream._enqueue(arm)
+        return token
+
+    def unwatch(self, tokens, stream) -> None:
+        """Check mode: stop watching ``tokens`` at this point of ``stream``."""
+        dev = self.device
+        tokens = [t for t in tokens if t is not None]
+        if not tokens:
+            return
+
+        def disarm():
+            for t in tokens:
+                dev._watches.pop(t, None)
+
+        stream._enqueue(disarm)
 
     def mapped_threshold(self) -> int:
         return 4096
