@@ -10,7 +10,12 @@ reads it at each ``begin()``. In check mode the copier
 - checks every ``unchanged=True`` copy or fill against the device bytes as of
   its place in program order (device bytes at the call's stream position, with
   the still-staged copies before it applied);
-- lets :func:`expect_landed` find merged bytes still staged.
+- lets :func:`expect_landed` find merged bytes still staged;
+- fills each merged destination with a sentinel (:func:`sentinel_byte`) at the
+  call, until its copy lands, so a reader before the barrier sees garbage;
+- asks the backend to watch the destination (the simulated device raises when
+  other work touches it before the barrier), and while a torch destination is
+  staged, watches torch's operations (``cucopy.adapters.torch.StagedWatch``).
 
 Violations raise :class:`~cucopy.CopyError` naming the site and the first
 differing byte range. With check mode off none of this runs.
@@ -19,6 +24,7 @@ differing byte range. With check mode off none of this runs.
 from __future__ import annotations
 
 import os
+import sys
 import weakref
 
 import numpy as np
@@ -95,6 +101,21 @@ def expect_landed(site, dst) -> None:
                     f"{_label(site)} expects them landed; make {_label(e.site)} a flush_after "
                     "barrier or flush() before this reader"
                 )
+
+
+def _staged_at(device, lo: int, hi: int) -> str | None:
+    """What is staged in device bytes ``[lo, hi)`` of CUDA ordinal ``device`` (the torch
+    watch's lookup): the site and the range of the first staged copy there, or None."""
+    for copier in list(_live):
+        if copier.backend.device != device or type(device) is not int:
+            continue
+        for e in copier._seg.entries:
+            if e.lo < hi and lo < e.hi:
+                return (
+                    f"{_label(e.site)}: merged destination bytes [{e.lo:#x}, {e.hi:#x}) on "
+                    f"{copier.backend.describe()}"
+                )
+    return None
 
 
 class _Snap:
@@ -177,6 +198,8 @@ class Checker:
         # backend's watches over them, until their segment lands or is dropped
         self.marks: dict = {}
         self.tokens: list = []
+        # torch's operations are watched while a torch destination is staged
+        self.torch_watch = None
 
     def _mark(self, e, d, payload) -> None:
         """Write the sentinel over ``e``'s destination rows and watch them (at the call's
@@ -208,6 +231,19 @@ class Checker:
         tokens, self.tokens = self.tokens, []
         self.marks.clear()
         self.backend.unwatch(tokens, self.stream)
+        if self.torch_watch is not None and self.torch_watch.exit():
+            self.torch_watch = None
+
+    def _watch_torch(self, d) -> None:
+        """A torch destination is staged: watch torch's operations until it lands."""
+        if self.torch_watch is None and type(getattr(d, "obj", None)).__module__.startswith(
+            "torch"
+        ):
+            from .adapters.torch import StagedWatch
+
+            self.torch_watch = StagedWatch(_staged_at)
+        if self.torch_watch is not None:
+            self.torch_watch.enter()
 
     def dropped(self) -> None:
         """The staged copies were dropped: put back the bytes the sentinel covered (from
@@ -258,6 +294,8 @@ class Checker:
         if s is not None and e.ssnap is None:
             e.ssnap = self.snap(e.slo, e.shi)
         self._mark(e, d, payload)
+        if d is not None and "torch" in sys.modules:
+            self._watch_torch(d)
         c.stats.sites[e.site].checked += 1
 
     def before_flush(self, entries) -> None:

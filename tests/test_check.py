@@ -358,3 +358,84 @@ def test_a_cuda_reader_before_its_barrier_sees_the_sentinel(check_mode):
     assert np.isnan(early_f.get()).all()
     assert a.get().tolist() == [7] * 4 and f.get().tolist() == [1.0] * 4
     c.close()
+
+
+# -- torch operations on staged bytes --------------------------------------------------------
+
+
+def test_torch_operations_on_staged_bytes_raise_naming_the_operation():
+    """The dispatch mode check mode enters while a torch destination is staged, on CPU
+    tensors (a staged range of its own making: a copier's destinations are CUDA)."""
+    torch = pytest.importorskip("torch")
+    from cucopy.adapters.torch import StagedWatch
+
+    x = torch.zeros(8, dtype=torch.int32)
+    y = torch.zeros(8, dtype=torch.int32)
+    lo, hi = x.data_ptr(), x.data_ptr() + 32
+
+    def find(device, a, b):
+        if device == "cpu" and a < hi and lo < b:
+            return f"Site.POS: merged destination bytes [{lo:#x}, {hi:#x})"
+        return None
+
+    w = StagedWatch(find)
+    w.enter()
+    try:
+        y.add_(1)  # other bytes: fine
+        x[:4].view(torch.int16)  # views touch no bytes
+        with pytest.raises(
+            cc.CopyError,
+            match=r"Site\.POS: merged destination bytes \[0x[0-9a-f]+, 0x[0-9a-f]+\) was touched "
+            r"by torch operation aten::add_\.Tensor \(on torch\.int32 tensor shape=\(8,\) on cpu",
+        ):
+            x.add_(1)
+        with pytest.raises(cc.CopyError, match=r"aten::sum"):
+            x[6:].sum()  # a read of part of it
+        with pytest.raises(cc.CopyError, match=r"aten::copy_"):
+            y.copy_(x)  # a read through the source
+        with pytest.raises(cc.CopyError, match=r"shape=\(2,\)"):
+            torch.add(y[:2], 1, out=x[3:5])  # a write through out=
+    finally:
+        assert w.exit() is True
+    assert x.tolist() == [0] * 8  # nothing the refused operations would have done
+    x.add_(1)  # not watched any more
+
+
+def test_the_torch_watch_leaves_a_mode_pushed_above_it_alone():
+    torch = pytest.importorskip("torch")
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from cucopy.adapters.torch import StagedWatch
+
+    class Other(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    w = StagedWatch(lambda *a: None)
+    w.enter()
+    with Other():
+        assert w.exit() is False  # not the top mode: still entered, nothing popped
+        torch.ones(2).sum()
+    assert w.exit() is True
+
+
+@pytest.mark.gpu
+def test_a_torch_reader_before_its_barrier_is_caught_on_the_gpu(check_mode):
+    torch = pytest.importorskip("torch")
+    t = torch.zeros(8, dtype=torch.int32, device="cuda")
+    other = torch.zeros(8, dtype=torch.int32, device="cuda")
+    stream = torch.cuda.Stream()
+    c = cc.DeviceCopier(PLAN, backend="cuda", stream=stream)
+    with torch.cuda.stream(stream):
+        with pytest.raises(
+            cc.CopyError, match=r"Site\.POS: merged destination bytes .* torch operation aten::sum"
+        ):
+            with c.step():
+                c.copy(Site.POS, t[:4], np.arange(4, dtype=np.int32))
+                other.add_(1)  # other bytes: fine
+                t.sum()  # a reader before the barrier
+        with c.step():
+            c.copy(Site.POS, t[:4], np.arange(4, dtype=np.int32))
+            c.flush()
+            assert int(t.sum()) == 6  # after the barrier: fine
+    c.close()
