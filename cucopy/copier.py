@@ -423,6 +423,12 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
         # launch's host time, for ~2 us more GPU time at 6 KB than carrying them, which
         # "inline" does: bench/README.md, session 12); 0: the backend has no graphs
         self._graph_cap = self._backend.graph_capacity()
+        if flush_mode != "dma" and not self._backend.mapped_coherent():
+            # mapped memory proven incoherent (GPU confidential computing): every
+            # segment is uploaded (dma), never read through the mapping
+            _say_incoherent(self._backend.describe(), flush_mode)
+            self.flush_mode = "dma"
+            self._graph_cap = 0
         # the capture query begin() makes (compiled on CUDA once the kernels are loaded),
         # and the module whose CHECK_MODE the compiled begin() reads
         self._cap_query, self._cap_arg = self._backend.capture_query(self._stream)
@@ -842,6 +848,12 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
                 "capture_inputs(): the copier's stream is not capturing a graph; call it "
                 "inside the capture, where the scatter node belongs (before the nodes "
                 "that read the copies' destinations)"
+            )
+        if not self._backend.mapped_coherent():
+            raise CopyError(
+                f"capture_inputs(): mapped pinned memory on {self._backend.describe()} "
+                "failed the coherence probe; a graph feed's node reads its mailbox through "
+                "the mapping, so it is refused: use the ordinary step()"
             )
         feed = GraphFeed(self, blocks)
         self._feeds.append(feed)
@@ -1645,6 +1657,26 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
 
 
 _active: contextvars.ContextVar = contextvars.ContextVar("cucopy_active_copier", default=None)
+
+
+_incoherent_said: set = set()
+
+
+def _say_incoherent(where: str, mode: str) -> None:
+    """Log once per device that its mapped memory failed the coherence probe."""
+    if where in _incoherent_said:
+        return
+    _incoherent_said.add(where)
+    import logging
+
+    logging.getLogger("cucopy").warning(
+        "cucopy: %s: mapped pinned memory failed the coherence probe (the device read "
+        "other bytes than the host wrote through the mapping, as under GPU confidential "
+        "computing): copiers on it use flush_mode='dma' instead of %r, and graph feeds "
+        "are refused",
+        where,
+        mode,
+    )
 
 
 def _collected(ring, seg, where: str) -> None:

@@ -80,6 +80,7 @@ _D2D = 3  # cudaMemcpyDeviceToDevice
 _MEMORY_TYPE_HOST = 1  # cudaMemoryTypeHost (page-locked or registered)
 _SUCCESS = 0
 _ERROR_NOT_READY = 600  # cudaErrorNotReady
+_probe_streams: dict = {}  # the coherence probe's stream by device (CudaBackend.probe_stream)
 
 #: Segments of at most this many bytes are flushed ``mapped`` under
 #: ``flush_mode="auto"`` when ``crossover.json`` has no entry for the device.
@@ -1187,6 +1188,16 @@ class CudaBackend(Backend):
             _rt.eventSynchronize(event)
         except _RuntimeError as e:
             raise self._error("cudaEventSynchronize", e, f" (event={event:#x})") from e
+
+    def probe_stream(self):
+        """A non-blocking stream of the backend's own for the coherence probe (kept for
+        the process: destroying it could wait), so the probe runs beside a held one."""
+        st = _probe_streams.get(self.device)
+        if st is None:
+            st = _probe_streams[self.device] = self._on_device(
+                lambda: _cupy.cuda.Stream(non_blocking=True)
+            )
+        return st.ptr
 
     def event_wait(self, event, timeout: float) -> bool:
         """Wait for ``event`` at most ``timeout`` seconds; True when it completed.

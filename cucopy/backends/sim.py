@@ -508,13 +508,17 @@ class SimDevice:
         What a scatter launch may carry in its parameters, as the CUDA backend
         offers (``pack.CARRY_CAPACITIES``); set ``()`` to model a driver that
         carries nothing, or a prefix to model one without large parameters.
+    mapped_coherent : bool
+        False models a device whose reads of mapped pinned memory return zeros (a
+        pinned mapping under GPU confidential computing may read stale or zero
+        bytes): the copier's coherence probe then fails and it uses ``dma``.
     graph_capacity : int
         Bytes a graphed scatter reads at its segment, as the CUDA backend offers
         (``pack.GRAPH_CAPACITY``) when the driver's graph calls are there; 0 (the
         default) models a backend without them. Set it before making a copier.
     """
 
-    def __init__(self, policy: str = "lazy", seed: int = 0):
+    def __init__(self, policy: str = "lazy", seed: int = 0, *, mapped_coherent: bool = True):
         if policy not in POLICIES:
             raise ValueError(f"SimDevice: policy must be one of {POLICIES}, got {policy!r}")
         self.policy = policy
@@ -543,7 +547,8 @@ class SimDevice:
         #: False: the device reads zeros through mapped pinned memory (as under GPU
         #: confidential computing, where a mapping may not be coherent); set before
         #: making a copier
-        self.mapped_coherent = True
+        self.mapped_coherent = mapped_coherent
+        self._coherence = None  # the coherence probe's answer (SimBackend.mapped_coherent)
 
     # -- memory ---------------------------------------------------------------
 
@@ -667,6 +672,9 @@ class SimDevice:
     def _mem(self, addr: int, nbytes: int) -> np.ndarray:
         """The device bytes ``[addr, addr + nbytes)`` as a writable view."""
         if self._space + _MAPPED <= addr < self._space + 2 * _MAPPED:
+            if not self.mapped_coherent and self._running is not None:
+                # device work reading through an incoherent mapping: zeros
+                return np.zeros(nbytes, np.uint8)
             host = addr - self._space - _MAPPED
             hit = self._pinned_at(host, nbytes)
             if hit is None:
@@ -1009,6 +1017,43 @@ class SimBackend(Backend):
 
     def event_wait(self, event, timeout: float) -> bool:
         return event.wait(timeout)
+
+    def mapped_coherent(self) -> bool:
+        """The coherence probe's answer, kept on the device (see the base class)."""
+        dev = self.device
+        got = dev._coherence
+        if got is None:
+            got = dev._coherence = self.coherence_probe()
+        return got
+
+    def coherence_probe(self) -> bool:
+        """The base class's probe, on a stream of its own, leaving no trace: its buffers
+        are freed directly once its stream has run (no wait for the whole device,
+        which may be held) and its stream is forgotten."""
+        from .base import _PROBE_BYTES, _probe
+
+        dev = self.device
+        stream = SimStream(dev, "cucopy-probe")
+        with dev._lock:
+            dev._streams.append(stream)
+        buf = np.zeros(4096 + 64, np.uint8)
+        off = (-buf.ctypes.data) % 64
+        mem = buf[off : off + 4096]
+        dev._register_pinned(mem)
+        base, _ = dev._alloc(_PROBE_BYTES)
+        ptr = mem.ctypes.data
+        pin = PinnedBuffer(mem, ptr, dev.mapped_pointer(ptr), None)
+        rng, reads = dev.rng.bit_generator.state, dev.device_reads
+        try:
+            return _probe(self, pin, DeviceBuffer(base, _PROBE_BYTES, None), stream)
+        finally:
+            # the seeded shuffles and policies, and check mode's read count, as they were
+            dev.rng.bit_generator.state, dev.device_reads = rng, reads
+            stream._queue.clear()  # (run already, unless a probe op raised)
+            with dev._lock:
+                dev._streams.remove(stream)
+            dev._free(base)
+            dev._unregister_pinned(mem)
 
     def watch(self, rows, label: str, stream):
         """Check mode: from this point of ``stream`` on, other work touching ``rows``
