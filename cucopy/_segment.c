@@ -3852,10 +3852,16 @@ static PyObject *stepcore_plain_flush(PyObject *type, PyObject *func) {
  * activated, finds the copier by it (copier._step_copier). */
 static long long step_counter;
 
+#if PY_VERSION_HEX >= 0x030D0000
+#define CUCOPY_TSTATE() PyThreadState_GetUnchecked()
+#else
+#define CUCOPY_TSTATE() _PyThreadState_UncheckedGet()
+#endif
+
 /* the calling thread's current Context object (made now if it has none yet), or NULL
  * with an exception set */
 static PyObject *current_context(void) {
-    PyThreadState *ts = PyThreadState_Get();
+    PyThreadState *ts = CUCOPY_TSTATE(); /* (never NULL: the caller holds the GIL) */
     if (!ts->context) {
         PyObject *copy = PyContext_CopyCurrent(); /* makes the thread's context */
         if (!copy) return NULL;
@@ -3899,7 +3905,9 @@ static PyObject *step_flush(CopierCore *c) {
     return r;
 }
 
-static PyObject *stepcore_open(StepCore *st) {
+static PyObject *stepcore_enter(StepCore *st, PyObject *unused) {
+    PyObject *ctx = current_context();
+    if (!ctx) return NULL;
     PyObject *o = st->copier;
     if (o && st->graph == Py_None && PyObject_TypeCheck(o, &CopierCoreType) && plain_begin &&
         _PyType_Lookup(Py_TYPE(o), s_begin) == plain_begin) {
@@ -3910,45 +3918,36 @@ static PyObject *stepcore_open(StepCore *st) {
             Py_DECREF(r);
             if (r == Py_True) {
                 Py_SETREF(c->stepping, Py_NewRef(Py_True));
+                c->step_ctx = (long long)(uintptr_t)ctx; /* the block's context */
+                c->step_seq = ++step_counter;
                 return Py_NewRef(o);
             }
         }
     }
-    return PyObject_CallMethodNoArgs((PyObject *)st, s_enter);
-}
-
-static PyObject *stepcore_enter(StepCore *st, PyObject *unused) {
-    PyObject *ctx = current_context();
-    if (!ctx) return NULL;
-    PyObject *r = stepcore_open(st);
-    if (r && PyObject_TypeCheck(st->copier, &CopierCoreType)) {
-        CopierCore *c = (CopierCore *)st->copier;
-        c->step_ctx = (long long)(uintptr_t)ctx;
-        c->step_seq = ++step_counter;
+    PyObject *r = PyObject_CallMethodNoArgs((PyObject *)st, s_enter);
+    if (r && o && PyObject_TypeCheck(o, &CopierCoreType)) {
+        ((CopierCore *)o)->step_ctx = (long long)(uintptr_t)ctx;
+        ((CopierCore *)o)->step_seq = ++step_counter;
     }
     return r;
 }
-
-static PyObject *stepcore_close(StepCore *st, PyObject *const *args, Py_ssize_t nargs);
 
 static PyObject *stepcore_exit(StepCore *st, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 3) {
         PyErr_SetString(PyExc_TypeError, "__exit__(type, value, traceback)");
         return NULL;
     }
-    if (st->copier && PyObject_TypeCheck(st->copier, &CopierCoreType))
-        ((CopierCore *)st->copier)->step_ctx = 0; /* the block ends, whatever happens */
-    return stepcore_close(st, args, nargs);
-}
-
-static PyObject *stepcore_close(StepCore *st, PyObject *const *args, Py_ssize_t nargs) {
     PyObject *o = st->copier;
     if (args[0] != Py_None || st->graph != Py_None || !o ||
         !PyObject_TypeCheck(o, &CopierCoreType) || !((CopierCore *)o)->seg ||
-        Py_TYPE(((CopierCore *)o)->seg) != &SegmentType)
+        Py_TYPE(((CopierCore *)o)->seg) != &SegmentType) {
+        if (o && PyObject_TypeCheck(o, &CopierCoreType))
+            ((CopierCore *)o)->step_ctx = 0; /* the block ends, whatever happens */
         return PyObject_VectorcallMethod(
             s_exit, (PyObject *[]){(PyObject *)st, args[0], args[1], args[2]}, 4, NULL);
+    }
     CopierCore *c = (CopierCore *)o;
+    c->step_ctx = 0;
     Py_SETREF(c->stepping, Py_NewRef(Py_False));
     PyObject *r = step_flush(c);
     /* finally: the step is over, whatever flush() did */
