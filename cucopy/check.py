@@ -31,6 +31,7 @@ import numpy as np
 
 from . import _layout
 from .adapters import resolve
+from .deadline import DEFAULT_WAIT_TIMEOUT
 from .errors import CopyError
 
 __all__ = [
@@ -61,6 +62,16 @@ def unregister(copier) -> None:
     _live.discard(copier)
 
 
+def live_copiers() -> list:
+    """The live copiers, a list (safe while other threads make or drop copiers: a
+    weak set's iteration fails when the set changes under it, so it is retried)."""
+    while True:
+        try:
+            return list(_live)
+        except RuntimeError:  # changed size during iteration (another thread, a collection)
+            continue
+
+
 def _label(site) -> str:
     return getattr(site, "label", None) or repr(site)
 
@@ -89,7 +100,7 @@ def expect_landed(site, dst) -> None:
         return
     info = resolve(dst)
     lo, hi = _layout.extent(info.ptr, info.shape, info.strides, info.dtype.itemsize)
-    for copier in list(_live):
+    for copier in live_copiers():
         for e in copier._seg.entries:
             if (
                 e.lo < hi
@@ -106,7 +117,7 @@ def expect_landed(site, dst) -> None:
 def _staged_at(device, lo: int, hi: int) -> str | None:
     """What is staged in device bytes ``[lo, hi)`` of CUDA ordinal ``device`` (the torch
     watch's lookup): the site and the range of the first staged copy there, or None."""
-    for copier in list(_live):
+    for copier in live_copiers():
         if copier.backend.device != device or type(device) is not int:
             continue
         for e in copier._seg.entries:
@@ -121,10 +132,11 @@ def _staged_at(device, lo: int, hi: int) -> str | None:
 class _Snap:
     """Device bytes ``[lo, hi)`` copied on the stream at one point of program order."""
 
-    __slots__ = ("buf", "lo", "hi", "data", "owned")
+    __slots__ = ("buf", "lo", "hi", "data", "owned", "timeout")
 
-    def __init__(self, backend, stream, lo, hi, alloc=None):
+    def __init__(self, backend, stream, lo, hi, alloc=None, timeout=DEFAULT_WAIT_TIMEOUT):
         self.lo, self.hi = lo, hi
+        self.timeout = timeout  # the copier's wait_timeout: reading waits for the stream
         self.data = None
         # a step's snapshots come from its ring slot (``alloc``), which takes them back
         # when the slot comes round; others are freed once read (a free waits for the
@@ -136,6 +148,13 @@ class _Snap:
 
     def read(self, backend, stream) -> np.ndarray:
         if self.data is None:
+            # the read synchronizes the stream: wait for it with the deadline first
+            if self.hi > self.lo and not backend.stream_wait(stream, self.timeout):
+                raise CopyError(
+                    f"check mode: waited {self.timeout:g} s (wait_timeout) for stream "
+                    f"{stream!r} to reach its snapshot of device bytes [{self.lo:#x}, "
+                    f"{self.hi:#x}); it never did (a hung or stalled kernel on it?)"
+                )
             raw = (
                 backend.read(self.buf.ptr, self.hi - self.lo, stream) if self.hi > self.lo else b""
             )
@@ -262,7 +281,7 @@ class Checker:
         """Snapshot device bytes at the current stream position."""
         ring = self.copier._ring
         alloc = ring.temp_device if ring.current is not None else None
-        snap = _Snap(self.backend, self.stream, lo, hi, alloc)
+        snap = _Snap(self.backend, self.stream, lo, hi, alloc, self.copier.wait_timeout)
         self.snaps.append(snap)
         return snap
 
@@ -393,7 +412,12 @@ def verify_unchanged(copier, site, d, s, fill, *, count: bool = True, what=None)
     lo, hi = _layout.extent(d.ptr, d.shape, d.strides, it)
     staged = [(e, e.data, e.ssnap) for e in copier._seg.entries if e.data is not None]
     checker = copier._checker if copier.in_step else None
-    take = checker.snap if checker is not None else (lambda a, b: _Snap(backend, stream, a, b))
+    timeout = copier.wait_timeout
+    take = (
+        checker.snap
+        if checker is not None
+        else (lambda a, b: _Snap(backend, stream, a, b, None, timeout))
+    )
     dsnap = take(lo, hi)
     ssnap = None
     if s is not None and s.device is not None:

@@ -1843,7 +1843,7 @@ def _step_copier() -> DeviceCopier | None:
         return None
     ctx = _context_id()
     best = None
-    for c in list(check._live):
+    for c in check.live_copiers():
         if c._step_ctx == ctx and (best is None or c._step_seq > best._step_seq):
             best = c
     return best
@@ -1860,7 +1860,7 @@ def _unrouted(site, dst, call: str) -> None:
             what = resolve(dst).label
         except Exception:
             what = repr(dst)
-        others = [c for c in list(check._live) if not c.__dict__.get("_plain")]
+        others = [c for c in check.live_copiers() if not c.__dict__.get("_plain")]
         why = (
             "no copier exists"
             if not others

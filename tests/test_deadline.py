@@ -185,3 +185,19 @@ def test_a_held_cuda_stream_times_out_with_the_diagnostic():
     stream.synchronize()
     assert a.get().tolist() == [9, 10, 11, 12]
     c.close()
+
+
+def test_check_modes_reads_wait_with_the_deadline(monkeypatch):
+    """Check mode reads its snapshots back at the barrier: a wait on the stream, bounded."""
+    from cucopy import check
+
+    monkeypatch.setattr(check, "CHECK_MODE", True)
+    dev, s, a, b, c = _stalled_ring(None, wait_timeout=0.03)
+    with s.hold(stall=True):
+        with pytest.raises(cc.CopyError, match=r"check mode: waited 0\.03 s \(wait_timeout\)"):
+            with c.step():
+                c.copy(Site.POS, a, np.arange(4) + 1)
+    with c.step():  # usable once the stall ends
+        c.copy(Site.POS, a, np.arange(4) + 2)
+    assert dev.to_host(a).tolist() == [2, 3, 4, 5]
+    c.close()

@@ -10,7 +10,8 @@ decode mix (``bench._common.decode_mix``, NumPy sources, ``flush_mode="auto"``) 
 with it and without it? Wall time of whole ``step()`` blocks on the simulated device,
 stream work included (the sim runs it on the host), median of ``--steps`` steps after a
 warm-up. Check mode is a debugging cost, not a target; the ratio is what the README
-quotes. Answer: ``bench/README.md``, Check mode's cost.
+quotes. Answer: ``bench/results/2026-12-03-ci-check_cost.txt`` (and ``bench/README.md``,
+Check mode's cost).
 """
 
 from __future__ import annotations

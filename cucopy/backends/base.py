@@ -80,6 +80,7 @@ class DeviceBuffer:
 _coherent: dict = {}
 _kept: list = []
 _PROBE_BYTES = 64
+_encode = pack.encode  # bound here: the probe is not a segment the copier encodes
 
 
 def _probe(backend, pin, out, stream) -> bool:
@@ -91,7 +92,7 @@ def _probe(backend, pin, out, stream) -> bool:
     data = pack.align(pack.HEADER_BYTES + pack.DESC_BYTES, 16)
     total = data + _PROBE_BYTES
     desc = (out.ptr, data, 0, _PROBE_BYTES, _PROBE_BYTES, _PROBE_BYTES, 1, pack.KIND_H2D, 0, 0)
-    nblocks = pack.encode(arr, [desc], data, total)
+    nblocks = _encode(arr, [desc], data, total)
     arr[data:total] = pattern
     try:
         backend.fill(out.ptr, _PROBE_BYTES, _PROBE_BYTES, 1, 0, 1, stream)
