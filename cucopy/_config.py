@@ -98,6 +98,12 @@ def _cuda_details() -> dict[str, Any]:
     return out
 
 
+def _unrouted() -> dict[str, int]:
+    from . import copier
+
+    return {getattr(k, "label", repr(k)): v for k, v in copier.unrouted.items()}
+
+
 def config_dict() -> dict[str, Any]:
     """What :func:`show_config` prints, as plain values (JSON-ready).
 
@@ -109,7 +115,9 @@ def config_dict() -> dict[str, Any]:
         ``version``; ``default_backend`` (``name`` and ``why``); ``backends`` (each
         backend's availability); ``staging`` (``"python"`` or the compiled
         twin's name); ``driver_calls`` (``"compiled"`` or ``"python"``: how the CUDA
-        backend launches and queries capture each step); ``check_mode``; ``python``; ``platform``; ``versions`` (installed
+        backend launches and queries capture each step); ``check_mode``; ``refuse_unrouted`` (check mode refuses module-level copies
+        with no copier to route to); ``unrouted`` (those copies so far, by site);
+        ``python``; ``platform``; ``versions`` (installed
         distributions, None when missing); ``cuda`` (driver, runtime and NVRTC versions,
         devices and the kernel cache, when CuPy imports).
     """
@@ -127,6 +135,8 @@ def config_dict() -> dict[str, Any]:
         "staging": _staging(),
         "driver_calls": _driver_calls(),
         "check_mode": bool(check.CHECK_MODE),
+        "refuse_unrouted": bool(check.REFUSE_UNROUTED),
+        "unrouted": _unrouted(),
         "python": platform.python_version(),
         "platform": platform.platform(terse=True),
         "versions": {shown: _distribution(names) for shown, names in _DISTRIBUTIONS.items()},
@@ -162,6 +172,15 @@ def show_config(file: TextIO | None = None) -> None:
         f"staging path: {c['staging']}",
         f"CUDA driver calls: {c['driver_calls']}",
         f"check mode: {'on' if c['check_mode'] else 'off'} (CUCOPY_CHECK=1 at import turns it on)",
+        "unrouted module-level copies (no copier to route to: plain copies): "
+        + (
+            f"{sum(c['unrouted'].values())} ("
+            + ", ".join(f"{k}: {v}" for k, v in c["unrouted"].items())
+            + ")"
+            if c["unrouted"]
+            else "0"
+        )
+        + (" [refused in check mode]" if c["refuse_unrouted"] else ""),
         f"python: {c['python']} on {c['platform']}",
         "versions: "
         + ", ".join(f"{k} {v if v is not None else '-'}" for k, v in c["versions"].items()),

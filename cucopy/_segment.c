@@ -3736,6 +3736,9 @@ typedef struct {
     /* counts of stats' totals the fast paths took, not yet folded into stats (a
      * Python attribute += costs ~0.1 us a time): _take_counts() hands them over */
     long long n_steps, n_segments, n_bytes, n_inline, n_mapped;
+    /* the Context its open step() block was entered in (0: none), and that step's
+     * sequence number (see current_context) */
+    long long step_ctx, step_seq;
 } CopierCore;
 
 #define COPIER_FIELDS(X) X(closed) X(in_step) X(owner) X(seg) X(checker) X(feed) \
@@ -4073,6 +4076,10 @@ static PyMemberDef copiercore_members[] = {
      "Steps begun by _begin_fast."},
     {"_fast_flushes", T_LONGLONG, offsetof(CopierCore, fast_flushes), READONLY,
      "Segments landed by _flush_fast."},
+    {"_step_ctx", T_LONGLONG, offsetof(CopierCore, step_ctx), READONLY,
+     "The Context (its address) the open step() block was entered in; 0: none."},
+    {"_step_seq", T_LONGLONG, offsetof(CopierCore, step_seq), READONLY,
+     "The open step() block's sequence number (the innermost step has the largest)."},
     {NULL},
 };
 #undef MEMBER
@@ -4126,6 +4133,39 @@ static PyObject *stepcore_plain_flush(PyObject *type, PyObject *func) {
     Py_RETURN_NONE;
 }
 
+/* -- a step activates its copier (issue 30: no silent bypass) -----------------------
+ * For the block's duration the copier is the one cucopy.copy routes to in the
+ * context the step was entered in. Setting the context variable cucopy.copy reads
+ * costs ~1.4k instructions a step (PyContextVar_Set + Reset: a HAMT node and a
+ * token), so the step records its context instead (the thread state's current
+ * Context object, and a sequence number: the innermost step wins), a few
+ * instructions; cucopy.copy's Python fallback, taken only when no copier is
+ * activated, finds the copier by it (copier._step_copier). */
+static long long step_counter;
+
+#if PY_VERSION_HEX >= 0x030D0000
+#define CUCOPY_TSTATE() PyThreadState_GetUnchecked()
+#else
+#define CUCOPY_TSTATE() _PyThreadState_UncheckedGet()
+#endif
+
+/* the calling thread's current Context object (made now if it has none yet), or NULL
+ * with an exception set */
+static PyObject *current_context(void) {
+    PyThreadState *ts = CUCOPY_TSTATE(); /* (never NULL: the caller holds the GIL) */
+    if (!ts->context) {
+        PyObject *copy = PyContext_CopyCurrent(); /* makes the thread's context */
+        if (!copy) return NULL;
+        Py_DECREF(copy);
+    }
+    return ts->context;
+}
+
+static PyObject *mod_context_id(PyObject *m, PyObject *unused) {
+    PyObject *ctx = current_context();
+    return ctx ? PyLong_FromVoidPtr(ctx) : NULL;
+}
+
 /* flush() of copier c: DeviceCopier.flush's body with its _flush_fast called from here
  * (one Python frame less a step), or the copier's own flush() when a subclass has one */
 static PyObject *step_flush(CopierCore *c) {
@@ -4157,6 +4197,8 @@ static PyObject *step_flush(CopierCore *c) {
 }
 
 static PyObject *stepcore_enter(StepCore *st, PyObject *unused) {
+    PyObject *ctx = current_context();
+    if (!ctx) return NULL;
     PyObject *o = st->copier;
     if (o && st->graph == Py_None && PyObject_TypeCheck(o, &CopierCoreType) && plain_begin &&
         _PyType_Lookup(Py_TYPE(o), s_begin) == plain_begin) {
@@ -4171,12 +4213,19 @@ static PyObject *stepcore_enter(StepCore *st, PyObject *unused) {
             Py_DECREF(r);
             if (r == Py_True) {
                 Py_SETREF(c->stepping, Py_NewRef(Py_True));
-                return o;
+                c->step_ctx = (long long)(uintptr_t)ctx; /* the block's context */
+                c->step_seq = ++step_counter;
+                return o; /* (the reference held above) */
             }
             Py_DECREF(o);
         }
     }
-    return PyObject_CallMethodNoArgs((PyObject *)st, s_enter);
+    PyObject *r = PyObject_CallMethodNoArgs((PyObject *)st, s_enter);
+    if (r && o && PyObject_TypeCheck(o, &CopierCoreType)) {
+        ((CopierCore *)o)->step_ctx = (long long)(uintptr_t)ctx;
+        ((CopierCore *)o)->step_seq = ++step_counter;
+    }
+    return r;
 }
 
 static PyObject *stepcore_exit(StepCore *st, PyObject *const *args, Py_ssize_t nargs) {
@@ -4185,13 +4234,17 @@ static PyObject *stepcore_exit(StepCore *st, PyObject *const *args, Py_ssize_t n
         return NULL;
     }
     PyObject *o = st->copier;
-    if (args[0] != Py_None || st->graph != Py_None || !o ||
-        !PyObject_TypeCheck(o, &CopierCoreType) || !((CopierCore *)o)->seg ||
-        Py_TYPE(((CopierCore *)o)->seg) != &SegmentType ||
-        !step_is_callers((CopierCore *)o, thread_id())) /* another thread's: _exit refuses */
+    int core = o && PyObject_TypeCheck(o, &CopierCoreType);
+    /* another thread's exit: _exit refuses it, leaving the owner's step as it is */
+    int foreign = core && !step_is_callers((CopierCore *)o, thread_id());
+    if (args[0] != Py_None || st->graph != Py_None || !core || foreign ||
+        !((CopierCore *)o)->seg || Py_TYPE(((CopierCore *)o)->seg) != &SegmentType) {
+        if (core && !foreign) ((CopierCore *)o)->step_ctx = 0; /* the block ends */
         return PyObject_VectorcallMethod(
             s_exit, (PyObject *[]){(PyObject *)st, args[0], args[1], args[2]}, 4, NULL);
+    }
     CopierCore *c = (CopierCore *)Py_NewRef(o); /* held: flush() runs Python code */
+    c->step_ctx = 0;
     Py_SETREF(c->stepping, Py_NewRef(Py_False));
     PyObject *r = step_flush(c);
     /* finally: the step is over, whatever flush() did (its segment read again: that
@@ -4298,6 +4351,8 @@ static PyMethodDef module_methods[] = {
     {"thread_id", mod_thread_id, METH_NOARGS,
      "The calling thread's id for step ownership: never reused by a later thread "
      "(twin of cucopy.segment.py_thread_id)."},
+    {"_context_id", mod_context_id, METH_NOARGS,
+     "The calling thread's current Context object's address (steps record theirs)."},
     {"_native_word_reads", mod_native_word_reads, METH_NOARGS,
      "Cached tensors validated through the handle word they hold (native_word), so far."},
     {NULL},

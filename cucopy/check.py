@@ -10,7 +10,12 @@ reads it at each ``begin()``. In check mode the copier
 - checks every ``unchanged=True`` copy or fill against the device bytes as of
   its place in program order (device bytes at the call's stream position, with
   the still-staged copies before it applied);
-- lets :func:`expect_landed` find merged bytes still staged.
+- lets :func:`expect_landed` find merged bytes still staged;
+- fills each merged destination with a sentinel (:func:`sentinel_byte`) at the
+  call, until its copy lands, so a reader before the barrier sees garbage;
+- asks the backend to watch the destination (the simulated device raises when
+  other work touches it before the barrier), and while a torch destination is
+  staged, watches torch's operations (``cucopy.adapters.torch.StagedWatch``).
 
 Violations raise :class:`~cucopy.CopyError` naming the site and the first
 differing byte range. With check mode off none of this runs.
@@ -19,17 +24,30 @@ differing byte range. With check mode off none of this runs.
 from __future__ import annotations
 
 import os
+import sys
 import weakref
 
 import numpy as np
 
 from . import _layout
 from .adapters import resolve
+from .deadline import DEFAULT_WAIT_TIMEOUT
 from .errors import CopyError
 
-__all__ = ["CHECK_MODE", "expect_landed", "Checker", "verify_unchanged"]
+__all__ = [
+    "CHECK_MODE",
+    "REFUSE_UNROUTED",
+    "SENTINEL_FLOAT",
+    "SENTINEL_INT",
+    "expect_landed",
+    "Checker",
+    "verify_unchanged",
+]
 
 CHECK_MODE: bool = os.environ.get("CUCOPY_CHECK", "") not in ("", "0")
+#: in check mode, refuse module-level copies with no copier to route to (they would
+#: bypass every copier); read once from ``CUCOPY_CHECK_UNROUTED=1`` at import
+REFUSE_UNROUTED: bool = os.environ.get("CUCOPY_CHECK_UNROUTED", "") not in ("", "0")
 
 _live = weakref.WeakSet()
 
@@ -44,15 +62,26 @@ def unregister(copier) -> None:
     _live.discard(copier)
 
 
+def live_copiers() -> list:
+    """The live copiers, a list (safe while other threads make or drop copiers: a
+    weak set's iteration fails when the set changes under it, so it is retried)."""
+    while True:
+        try:
+            return list(_live)
+        except RuntimeError:  # changed size during iteration (another thread, a collection)
+            continue
+
+
 def _label(site) -> str:
     return getattr(site, "label", None) or repr(site)
 
 
 def expect_landed(site, dst) -> None:
-    """Raise if merged bytes into ``dst`` are still staged in any live copier.
+    """In check mode, raise if merged bytes into ``dst`` are still staged in any live copier.
 
     Call it in a reader that runs device work on ``dst`` right after a copy
-    that should have been a barrier.
+    that should have been a barrier. With check mode off it does nothing (and
+    costs one test), so it can stay in engine code.
 
     Parameters
     ----------
@@ -64,17 +93,14 @@ def expect_landed(site, dst) -> None:
     Raises
     ------
     CopyError
-        Naming the staged site, when bytes into ``dst`` have not been flushed;
-        also when check mode is off (the check would silently do nothing).
+        In check mode, naming the staged site, when bytes into ``dst`` have not
+        been flushed.
     """
     if not CHECK_MODE:
-        raise CopyError(
-            f"{_label(site)}: expect_landed needs check mode (CUCOPY_CHECK=1, or "
-            "patch cucopy.check.CHECK_MODE)"
-        )
+        return
     info = resolve(dst)
     lo, hi = _layout.extent(info.ptr, info.shape, info.strides, info.dtype.itemsize)
-    for copier in list(_live):
+    for copier in live_copiers():
         for e in copier._seg.entries:
             if (
                 e.lo < hi
@@ -88,13 +114,29 @@ def expect_landed(site, dst) -> None:
                 )
 
 
+def _staged_at(device, lo: int, hi: int) -> str | None:
+    """What is staged in device bytes ``[lo, hi)`` of CUDA ordinal ``device`` (the torch
+    watch's lookup): the site and the range of the first staged copy there, or None."""
+    for copier in live_copiers():
+        if copier.backend.device != device or type(device) is not int:
+            continue
+        for e in copier._seg.entries:
+            if e.lo < hi and lo < e.hi:
+                return (
+                    f"{_label(e.site)}: merged destination bytes [{e.lo:#x}, {e.hi:#x}) on "
+                    f"{copier.backend.describe()}"
+                )
+    return None
+
+
 class _Snap:
     """Device bytes ``[lo, hi)`` copied on the stream at one point of program order."""
 
-    __slots__ = ("buf", "lo", "hi", "data", "owned")
+    __slots__ = ("buf", "lo", "hi", "data", "owned", "timeout")
 
-    def __init__(self, backend, stream, lo, hi, alloc=None):
+    def __init__(self, backend, stream, lo, hi, alloc=None, timeout=DEFAULT_WAIT_TIMEOUT):
         self.lo, self.hi = lo, hi
+        self.timeout = timeout  # the copier's wait_timeout: reading waits for the stream
         self.data = None
         # a step's snapshots come from its ring slot (``alloc``), which takes them back
         # when the slot comes round; others are freed once read (a free waits for the
@@ -106,6 +148,13 @@ class _Snap:
 
     def read(self, backend, stream) -> np.ndarray:
         if self.data is None:
+            # the read synchronizes the stream: wait for it with the deadline first
+            if self.hi > self.lo and not backend.stream_wait(stream, self.timeout):
+                raise CopyError(
+                    f"check mode: waited {self.timeout:g} s (wait_timeout) for stream "
+                    f"{stream!r} to reach its snapshot of device bytes [{self.lo:#x}, "
+                    f"{self.hi:#x}); it never did (a hung or stalled kernel on it?)"
+                )
             raw = (
                 backend.read(self.buf.ptr, self.hi - self.lo, stream) if self.hi > self.lo else b""
             )
@@ -142,6 +191,19 @@ def _first_diff(site, what, info, got, want) -> None:
     )
 
 
+#: the byte check mode writes over a merged destination at the call, until its copy
+#: lands: floats read NaN, integers a large odd value (0xA5A5...), so a reader that
+#: runs before the barrier sees garbage a test notices
+SENTINEL_FLOAT = 0xFF
+SENTINEL_INT = 0xA5
+
+
+def sentinel_byte(dtype) -> int:
+    """The sentinel byte for a destination of ``dtype`` (None: an unknown dtype)."""
+    kind = getattr(dtype, "kind", "f")
+    return SENTINEL_FLOAT if kind in "fc" else SENTINEL_INT
+
+
 class Checker:
     """One step's check-mode bookkeeping for a copier."""
 
@@ -151,12 +213,75 @@ class Checker:
         self.stream = copier.stream
         self.pending = []
         self.snaps = []
+        # the staged entries' sentinel rows (id -> (entry, byte, rows)) and the
+        # backend's watches over them, until their segment lands or is dropped
+        self.marks: dict = {}
+        self.tokens: list = []
+        # torch's operations are watched while a torch destination is staged
+        self.torch_watch = None
+
+    def _mark(self, e, d, payload) -> None:
+        """Write the sentinel over ``e``'s destination rows and watch them (at the call's
+        position on the stream, right after the call's snapshot)."""
+        be, stream = self.backend, self.stream
+        byte = sentinel_byte(d.dtype if d is not None else None)
+        rows = []
+        for desc, _ in payload:
+            dst, dpitch, width, nrows = desc[0], desc[3], desc[5], desc[6]
+            be.fill(dst, dpitch, width, nrows, byte, 1, stream)
+            rows += [(dst + r * dpitch, width) for r in range(nrows)]
+        self.marks[id(e)] = (e, byte, rows)
+        what = d.label if d is not None else f"[{e.lo:#x}, {e.hi:#x})"
+        label = f"{_label(e.site)}: merged destination bytes of {what}"
+        self.tokens.append(be.watch(rows, label, stream))
+
+    def _expected(self, e, before: np.ndarray) -> np.ndarray:
+        """``e``'s call snapshot with the sentinels written since (any entry's, in its extent)."""
+        want = before.copy()
+        for _, byte, rows in self.marks.values():
+            for a, w in rows:
+                x0, x1 = max(a, e.lo), min(a + w, e.hi)
+                if x0 < x1:
+                    want[x0 - e.lo : x1 - e.lo] = byte
+        return want
+
+    def landed(self) -> None:
+        """The staged copies' launch is enqueued: stop watching them after it."""
+        tokens, self.tokens = self.tokens, []
+        self.marks.clear()
+        self.backend.unwatch(tokens, self.stream)
+        if self.torch_watch is not None and self.torch_watch.exit():
+            self.torch_watch = None
+
+    def _watch_torch(self, d) -> None:
+        """A torch destination is staged: watch torch's operations until it lands."""
+        if self.torch_watch is None and type(getattr(d, "obj", None)).__module__.startswith(
+            "torch"
+        ):
+            from .adapters.torch import StagedWatch
+
+            self.torch_watch = StagedWatch(_staged_at)
+        if self.torch_watch is not None:
+            self.torch_watch.enter()
+
+    def dropped(self) -> None:
+        """The staged copies were dropped: put back the bytes the sentinel covered (from
+        each entry's call snapshot, on the stream) and stop watching them."""
+        be, stream = self.backend, self.stream
+        for e, _, rows in self.marks.values():
+            snap = e.snap
+            if snap is None or (snap.owned and snap.data is not None):
+                continue  # (a snapshot freed once read: nothing to copy back from)
+            for a, w in rows:
+                if e.lo <= a and a + w <= e.hi:
+                    be.copy2d(False, a, w, snap.buf.ptr + (a - e.lo), w, w, 1, stream)
+        self.landed()
 
     def snap(self, lo, hi) -> _Snap:
         """Snapshot device bytes at the current stream position."""
         ring = self.copier._ring
         alloc = ring.temp_device if ring.current is not None else None
-        snap = _Snap(self.backend, self.stream, lo, hi, alloc)
+        snap = _Snap(self.backend, self.stream, lo, hi, alloc, self.copier.wait_timeout)
         self.snaps.append(snap)
         return snap
 
@@ -166,6 +291,7 @@ class Checker:
         Returns their device buffers, to be freed once the stream has passed
         the copies that fill them.
         """
+        self.dropped()
         snaps, self.snaps, self.pending = self.snaps, [], []
         return [snap.buf for snap in snaps if snap.data is None and snap.owned]
 
@@ -186,6 +312,9 @@ class Checker:
         e.data = payload
         if s is not None and e.ssnap is None:
             e.ssnap = self.snap(e.slo, e.shi)
+        self._mark(e, d, payload)
+        if d is not None and "torch" in sys.modules:
+            self._watch_torch(d)
         c.stats.sites[e.site].checked += 1
 
     def before_flush(self, entries) -> None:
@@ -195,7 +324,7 @@ class Checker:
             for e in entries
         ]
         for e, after, safter in afters:
-            before = e.snap.read(self.backend, self.stream)
+            before = self._expected(e, e.snap.read(self.backend, self.stream))
             now = after.read(self.backend, self.stream)
             if not np.array_equal(before, now):
                 k = int(np.flatnonzero(before != now)[0])
@@ -283,7 +412,12 @@ def verify_unchanged(copier, site, d, s, fill, *, count: bool = True, what=None)
     lo, hi = _layout.extent(d.ptr, d.shape, d.strides, it)
     staged = [(e, e.data, e.ssnap) for e in copier._seg.entries if e.data is not None]
     checker = copier._checker if copier.in_step else None
-    take = checker.snap if checker is not None else (lambda a, b: _Snap(backend, stream, a, b))
+    timeout = copier.wait_timeout
+    take = (
+        checker.snap
+        if checker is not None
+        else (lambda a, b: _Snap(backend, stream, a, b, None, timeout))
+    )
     dsnap = take(lo, hi)
     ssnap = None
     if s is not None and s.device is not None:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import collections
 import contextvars
 import os
 import threading
+import warnings
 import weakref
 from typing import NoReturn
 
@@ -12,6 +14,7 @@ import numpy as np
 
 from . import _layout, check, pack
 from .adapters import ArrayInfo, fingerprint_fn, readonly_hint, resolve
+from .deadline import resolve_timeout
 from .errors import CopyError
 from .feed import GraphFeed
 from .plan import CopyPlan
@@ -22,6 +25,7 @@ from .segment import CopierCore as _CompiledCopierCore
 from .segment import FastCopy as _FastCopy
 from .segment import FastRoute as _FastRoute
 from .segment import StepCore as _CompiledStepCore
+from .segment import context_id as _context_id
 from .segment import thread_id as _thread_id
 from .sites import CopySite, Direction
 from .stats import CopyStats
@@ -87,17 +91,43 @@ class PyStepCore:
     reference always calls.
     """
 
-    __slots__ = ("_copier", "_graph")
+    __slots__ = ("_copier", "_graph", "_token")
 
     def __init__(self, copier: DeviceCopier, graph=None):
         self._copier = copier
         self._graph = graph
+        self._token = None
 
     def __enter__(self) -> DeviceCopier:
-        return self._enter()  # type: ignore[attr-defined]
+        # the step activates its copier for the block (module-level cucopy.copy routes
+        # to it), unless it already is the active one; reset when the step ends. (The
+        # compiled twin records the step's context instead, which costs the step less:
+        # see _step_copier.)
+        if _active.get() is not self._copier:
+            self._token = _active.set(self._copier)
+        try:
+            return self._enter()  # type: ignore[attr-defined]
+        except BaseException:
+            self._deactivate()
+            raise
 
     def __exit__(self, tp, exc, tb) -> bool:
-        return self._exit(tp, exc, tb)  # type: ignore[attr-defined]
+        try:
+            return self._exit(tp, exc, tb)  # type: ignore[attr-defined]
+        finally:
+            self._deactivate()
+
+    def _deactivate(self) -> None:
+        token = self._token
+        if token is None:
+            return
+        try:
+            _active.reset(token)
+        except ValueError:
+            # made in another context: another thread's refused exit, or a step left in
+            # another task; the token stays for the exit in the step's own context
+            return
+        self._token = None
 
 
 _StepCore = PyStepCore if _CompiledStepCore is None else _CompiledStepCore
@@ -341,11 +371,20 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
         one-node CUDA graph made once per ring slot, whose kernel reads the
         segment from the slot: half a kernel launch's host time, for about 2 µs
         more GPU time than ``inline``'s carried launch.
+    wait_timeout : float, optional
+        Seconds any host wait of this copier may last (a ring slot still in flight,
+        :meth:`close`, the slot an eager copy or a larger step needs) before it raises
+        :class:`CopyError` saying what it waited for. None: ``CUCOPY_WAIT_TIMEOUT``
+        from the environment, else 300. Waits poll the event and sleep between
+        queries (20 µs doubling to 1 ms); see :mod:`cucopy.deadline`.
 
     Raises
     ------
     ValueError
-        On a bad ``slots``, ``capacity`` or ``flush_mode``.
+        On a bad ``slots``, ``capacity``, ``flush_mode`` or ``wait_timeout`` (zero or
+        below), or a bad ``CUCOPY_WAIT_TIMEOUT``.
+    TypeError
+        On a ``wait_timeout`` that is not a number.
     """
 
     def __init__(
@@ -357,6 +396,8 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
         slots: int = 4,
         capacity: int = 1 << 20,
         flush_mode: str = "auto",
+        *,
+        wait_timeout: float | None = None,
     ):
         if plan is None:
             plan = _EMPTY_PLAN
@@ -368,6 +409,8 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
             raise ValueError(f"capacity: expected an int >= 4096 bytes, got {capacity!r}")
         if flush_mode not in FLUSH_MODES:
             raise ValueError(f"flush_mode: expected one of {FLUSH_MODES}, got {flush_mode!r}")
+        #: seconds any host wait of this copier may last (cucopy.deadline)
+        self.wait_timeout = resolve_timeout(wait_timeout)
         self.plan = plan
         self._merge = plan.merge
         self._barriers = plan.flush_after
@@ -391,6 +434,12 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
         # launch's host time, for ~2 us more GPU time at 6 KB than carrying them, which
         # "inline" does: bench/README.md, session 12); 0: the backend has no graphs
         self._graph_cap = self._backend.graph_capacity()
+        if flush_mode != "dma" and not self._backend.mapped_coherent():
+            # mapped memory proven incoherent (GPU confidential computing): every
+            # segment is uploaded (dma), never read through the mapping
+            _say_incoherent(self._backend.describe(), flush_mode)
+            self.flush_mode = "dma"
+            self._graph_cap = 0
         # the capture query begin() makes (compiled on CUDA once the kernels are loaded),
         # and the module whose CHECK_MODE the compiled begin() reads
         self._cap_query, self._cap_arg = self._backend.capture_query(self._stream)
@@ -404,6 +453,11 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
         self._ring = StagingRing(self._backend, slots, capacity)
         # the compiled step asks the next slot's event through the launcher when it can
         self._ring._launcher = self._launcher
+        # what a wait past its deadline reports (ring.wait_slot)
+        self._ring.timeout = self.wait_timeout
+        self._ring.stream = self._stream_obj if stream is not None else self._stream
+        self._sites_at: dict = {}  # destination address -> the last site staged there
+        self._ring.sites_at = self._sites_at
         self.stats = CopyStats()
         self._closed = False
         self._in_step = False
@@ -428,7 +482,9 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
         self._tables = WindowMax(DEMAND_WINDOW)  # largest table per step
         self._try_h2d = self._seg.try_h2d
         # collected without close(): the ring is set aside, not freed by the collector
-        self._finalizer = weakref.finalize(self, orphan, self._ring)
+        self._finalizer = weakref.finalize(
+            self, _collected, self._ring, self._seg, self._backend.describe()
+        )
         check.register(self)
 
     # -- properties -----------------------------------------------------------------
@@ -510,7 +566,12 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
                 self._ring.record(self._stream)
             except Exception:
                 # no event to wait on: wait for the stream itself before freeing the ring
-                self._backend.synchronize(self._stream)
+                if not self._backend.stream_wait(self._stream, self.wait_timeout):
+                    raise CopyError(
+                        f"close(): waited {self.wait_timeout:g} s (wait_timeout) for stream "
+                        f"{self._ring.stream!r} to drain before freeing the ring; it "
+                        "never did"
+                    ) from None
             self._closed = True
             self._in_step = False
             self._seg.fast = False
@@ -811,6 +872,12 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
                 "inside the capture, where the scatter node belongs (before the nodes "
                 "that read the copies' destinations)"
             )
+        if not self._backend.mapped_coherent():
+            raise CopyError(
+                f"capture_inputs(): mapped pinned memory on {self._backend.describe()} "
+                "failed the coherence probe; a graph feed's node reads its mailbox through "
+                "the mapping, so it is refused: use the ordinary step()"
+            )
         feed = GraphFeed(self, blocks)
         self._feeds.append(feed)
         return feed
@@ -889,6 +956,10 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
                 mode = "inline" if total <= cmax else "mapped"
                 how = self._land(start, end, nblocks, n, mode, cmax, slot, pin)
             slot.dirty = True  # read when the replay runs: the slot's event follows it
+            if self._checker is not None:
+                # the watches end where the replay starts: its feed node, first in the
+                # graph, lands the copies before the graph's readers run
+                self._checker.landed()
             be.graph_launch(graph, self._stream)
         except BaseException as exc:
             if posted:
@@ -1068,6 +1139,7 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
         f = _layout.form(d.ptr, d.shape, d.strides, d.dtype.itemsize) if fp else None
         # never cached: an empty copy (it stages nothing), a form too wide to stage
         if f is not None and d.size and pack.fits(*f[1:]):
+            self._note_site(d.ptr, site)
             self._seg.remember(dst, fp, f, d.dtype, d.size, d.shape)
             self._remember_base(site, dst, fp)
         return fp
@@ -1177,7 +1249,7 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
         if seg.append_h2d(site, on_drop, f, lo, hi, nbytes, kind, s.host):
             if self._checker is None and site not in self._barriers:
                 return True
-            return self._landed_by_barrier(site, seg.entries[-1], None, None)
+            return self._landed_by_barrier(site, seg.entries[-1], d, None)
         desc = (ptr, 0, 0, pitch, width, width, rows, kind, 0, 0)
         e, off = self._stage(site, on_drop, lo, hi, f, nbytes, desc, True)
         if e is None:
@@ -1465,6 +1537,7 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
             # a segment opens: a capture that began since begin() would leave what is
             # staged now out of its graph (the fast path asks here too)
             self._refuse_capture_change(site)
+        self._note_site(descs[0][0] if isinstance(descs, list) else descs[0], site)
         for _ in range(2):
             r = seg.stage(site, on_drop, lo, hi, geom, nbytes, descs, h2d)
             if r == ORDER:
@@ -1477,6 +1550,16 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
                 return None, -1
             return r
         raise AssertionError("internal: a fresh segment refused a descriptor")
+
+    def _note_site(self, ptr: int, site) -> None:
+        """Remember the site staging into ``ptr`` (named by a wait past its deadline).
+
+        Called where a destination is first cached and on the general staging path,
+        never on the compiled fast path."""
+        at = self._sites_at
+        if len(at) >= 4096:
+            at.clear()
+        at[ptr] = site
 
     def _order_flush(self) -> None:
         if self._seg.staged:
@@ -1500,6 +1583,8 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
         seg.reset()
         seg.set_cursor(pack.align(seg.cursor))
         self._slot.dirty = True
+        if self._checker is not None:
+            self._checker.dropped()  # the sentinel's bytes back, the watches off
         try:
             self._run_drops(entries)
         except CopyError:
@@ -1543,6 +1628,8 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
                 how = self._land(start, end, nblocks, n, mode, cmax, slot, pin)
                 total = end - start
             landed = True
+            if checker is not None:
+                checker.landed()  # its watches end after the launch that lands the copies
             if how != "inline":
                 # the launch reads the slot when it runs: the slot's event must follow
                 # it. An inline launch took its bytes at enqueue, so it needs no event
@@ -1606,6 +1693,66 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
 
 
 _active: contextvars.ContextVar = contextvars.ContextVar("cucopy_active_copier", default=None)
+
+
+_incoherent_said: set = set()
+
+
+def _say_incoherent(where: str, mode: str) -> None:
+    """Log once per device that its mapped memory failed the coherence probe."""
+    if where in _incoherent_said:
+        return
+    _incoherent_said.add(where)
+    import logging
+
+    logging.getLogger("cucopy").warning(
+        "cucopy: %s: mapped pinned memory failed the coherence probe (the device read "
+        "other bytes than the host wrote through the mapping, as under GPU confidential "
+        "computing): copiers on it use flush_mode='dma' instead of %r, and graph feeds "
+        "are refused",
+        where,
+        mode,
+    )
+
+
+def _collected(ring, seg, where: str) -> None:
+    """The finalizer of a copier the garbage collector took without :meth:`close`.
+
+    Nothing staged is lost without a word: copies still staged cannot land here (a
+    collection may run anywhere, inside a stream hold too, and a launch from a
+    finalizer would race the thread that dropped the copier), so they are dropped
+    through their ``on_drop`` callbacks, with a :class:`ResourceWarning` naming them.
+    The ring is set aside and freed later (:func:`cucopy.ring.free_orphans`).
+    """
+    try:
+        entries = seg.reset() if seg.staged else []
+        if entries:
+            sites: dict = {}
+            for e in entries:
+                sites[_label(e.site)] = sites.get(_label(e.site), 0) + 1
+            warnings.warn(
+                f"cucopy: a DeviceCopier on {where} was collected without close() with "
+                f"{len(entries)} staged copies ("
+                + ", ".join(f"{k} x{v}" for k, v in sites.items())
+                + "): they never land; dropped, their on_drop callbacks called. Close the "
+                "copier (`with copier:`) or end its step to land them",
+                ResourceWarning,
+                stacklevel=2,
+            )
+            for e in entries:
+                for cb in e.on_drop or ():
+                    try:
+                        cb()
+                    except Exception as exc:  # every callback runs; each failure is said
+                        warnings.warn(
+                            f"cucopy: {_label(e.site)}: on_drop raised {exc!r} while a "
+                            "collected copier dropped its staged copies",
+                            ResourceWarning,
+                            stacklevel=2,
+                        )
+    finally:
+        orphan(ring)
+
 
 if _CompiledStepCore is not None:
     # step()'s compiled entry opens the step itself only for this begin(); a subclass
@@ -1705,9 +1852,64 @@ _plain: dict = {}
 _plain_lock = threading.Lock()
 
 
+#: module-level copies and fills made with no copier to route to (plain copies), by site
+unrouted: collections.Counter = collections.Counter()
+
+
 def active_copier() -> DeviceCopier | None:
-    """The copier :func:`activate <DeviceCopier.activate>` made active here, if any."""
-    return _active.get()
+    """The copier :func:`cucopy.copy` routes to here, if any.
+
+    The copier active in this thread / task: the one whose ``step()`` block is open
+    (a step activates its copier for the block; the innermost, when several are), or
+    the one :func:`activate <DeviceCopier.activate>` made active.
+    """
+    c = _active.get()
+    return c if c is not None else _step_copier()
+
+
+def _step_copier() -> DeviceCopier | None:
+    """With the compiled step: the copier whose ``step()`` block is open in this context.
+
+    The compiled step records the context it was entered in rather than setting the
+    context variable (``_segment.c``, "a step activates its copier"), so a module-level
+    call that finds no copier activated looks here: a scan of the live copiers, on a
+    path the steady step never takes. (The pure-Python step sets the variable.)
+    """
+    if _context_id is None:
+        return None
+    ctx = _context_id()
+    best = None
+    for c in check.live_copiers():
+        if c._step_ctx == ctx and (best is None or c._step_seq > best._step_seq):
+            best = c
+    return best
+
+
+def _unrouted(site, dst, call: str) -> None:
+    """A module-level call with no active copier: count it as unrouted (a plain copy).
+
+    Raises :class:`CopyError` for an unrouted call when check mode refuses them
+    (``cucopy.check.REFUSE_UNROUTED``).
+    """
+    if check.CHECK_MODE and check.REFUSE_UNROUTED:
+        try:
+            what = resolve(dst).label
+        except Exception:
+            what = repr(dst)
+        others = [c for c in check.live_copiers() if not c.__dict__.get("_plain")]
+        why = (
+            "no copier exists"
+            if not others
+            else f"{len(others)} copier(s) exist but none is active here"
+        )
+        raise CopyError(
+            f"{_label(site)}: cucopy.{call}() into dst={what} has no copier to route to "
+            f"({why}: no activate() block and no step() block open in this thread); check "
+            f"mode refuses unrouted copies (cucopy.check.REFUSE_UNROUTED, from "
+            f"CUCOPY_CHECK_UNROUTED=1). Open the copier's step() or activate() it around "
+            "this call"
+        )
+    unrouted[site] += 1
 
 
 def _plain_key(dst, site):
@@ -1747,6 +1949,7 @@ def _lease(dst, site=None):
     c = DeviceCopier(
         None, stream=stream, device=info.device, backend=backend, slots=4, capacity=1 << 16
     )
+    c._plain = True  # not an engine's copier (the refusal's message counts those)
     return key, c
 
 
@@ -1769,15 +1972,22 @@ def _plain_copier(dst, site=None) -> DeviceCopier:
 def copy(site: CopySite, dst, src, *, unchanged: bool = False, on_drop=None) -> bool:
     """Copy through the active copier, or as a plain async copy when none is active.
 
-    A plain copy goes on the array library's current stream and is still
+    The active copier is the one whose ``step()`` block is open here, or the one
+    activated here (:func:`active_copier`). A plain copy is counted in
+    ``cucopy.copier.unrouted`` (shown by :func:`cucopy.show_config`), and refused in
+    check mode when ``cucopy.check.REFUSE_UNROUTED`` is set. A plain copy goes on the
+    array library's current stream and is still
     snapshotted (the caller may overwrite a host source right after). Threads (and
     tasks) with no active copier may make plain copies at the same time: each call
     has a plan-less copier to itself.
     See :meth:`DeviceCopier.copy` for the parameters.
     """
     c = _active.get()
+    if c is None:
+        c = _step_copier()
     if c is not None:
         return c.copy(site, dst, src, unchanged=unchanged, on_drop=on_drop)
+    _unrouted(site, dst, "copy")
     key, c = _lease(dst, site)
     try:
         return c.copy(site, dst, src, unchanged=unchanged, on_drop=on_drop)
@@ -1799,8 +2009,11 @@ def fill_tail(
     See :meth:`DeviceCopier.fill_tail` for the parameters.
     """
     c = _active.get()
+    if c is None:
+        c = _step_copier()
     if c is not None:
         return c.fill_tail(site, dst, start, value, unchanged=unchanged, on_drop=on_drop)
+    _unrouted(site, dst, "fill_tail")
     key, c = _lease(dst, site)
     try:
         return c.fill_tail(site, dst, start, value, unchanged=unchanged, on_drop=on_drop)
@@ -1809,7 +2022,10 @@ def fill_tail(
 
 
 def flush() -> None:
-    """Flush the active copier (a barrier); nothing to do when none is active."""
-    c = _active.get()
+    """Flush the active copier (a barrier); nothing to do when none is active.
+
+    The active copier: see :func:`active_copier` (a step activates its copier).
+    """
+    c = active_copier()
     if c is not None:
         c.flush()

@@ -155,7 +155,11 @@ class GraphFeed:
         """
         c = self._copier
         c._live()
-        c.backend.synchronize(c.stream)
+        if not c.backend.stream_wait(c.stream, c.wait_timeout):
+            raise CopyError(
+                f"graph feed {self.index}: resync() waited {c.wait_timeout:g} s "
+                "(wait_timeout) for the copier's stream to drain; it never did"
+            )
         for i in range(self.entries):
             self._q[i * pack.FEED_ENTRY_BYTES // 8] = 0
         self._lane_tags[:] = 0

@@ -17,9 +17,12 @@ from __future__ import annotations
 
 import collections
 import threading
+import time
 
 from . import pack
 from .backends.base import PinnedBuffer
+from .deadline import DEFAULT_WAIT_TIMEOUT
+from .errors import CopyError
 from .segment import RingCore as _CompiledRingCore
 from .segment import SlotCore as _CompiledSlotCore
 from .segment import WindowMax as _CompiledWindowMax
@@ -349,6 +352,13 @@ class StagingRing(RingCore):  # type: ignore[misc,valid-type]
         # spare temporaries by size (every one is a power of two, see _size)
         self._spare_pinned: dict[int, list] = {}
         self._spare_device: dict[int, list] = {}
+        #: seconds a wait for a slot may last (the copier's ``wait_timeout``)
+        self.timeout = DEFAULT_WAIT_TIMEOUT
+        #: the stream the events are recorded on, for the wait's error
+        self.stream = None
+        #: a destination address -> the site that last staged into it (the wait's error;
+        #: the copier's dict: the ring must not hold the copier)
+        self.sites_at: dict = {}
 
     @property
     def slots(self) -> int:
@@ -388,26 +398,28 @@ class StagingRing(RingCore):  # type: ignore[misc,valid-type]
         # (the slot exists, idle or complete, no temporaries, the right size) reads
         # each attribute once and calls nothing it need not.
         prev = self.current
+        slots = self._slots
+        index = self._index + 1
+        if index >= len(slots):
+            index = 0
+        slot = slots[index]
+        waited = False
+        if slot is not None and slot.recorded and not self._idle(index, slot):
+            # before anything changes: a wait past its deadline raises and leaves the
+            # ring as it was (the next step waits for the same slot again)
+            self.wait_slot(index, "the next ring slot (a step, or an eager copy's snapshot)")
+            waited = True
+            if slot.stamp > self._certified:  # it and every event before it completed
+                self._certified = slot.stamp
         if prev is not None:
             peak = self._demand.append_max(self._want + prev.bottom + prev.size - prev.top)
         else:
             peak = self._demand.max()
         self._want = 0
         self.acquires += 1
-        slots = self._slots
-        index = self._index + 1
-        if index >= len(slots):
-            index = 0
         self._index = index
-        slot = slots[index]
-        waited = False
         target = self._target_size if peak == self._peak else self._target(peak)
         if slot is not None:
-            if slot.recorded and not self._idle(index, slot):
-                self.backend.event_synchronize(self._events[index])
-                waited = True
-                if slot.stamp > self._certified:  # it and every event before it completed
-                    self._certified = slot.stamp
             if slot.temps or slot.frees:
                 # idle now (its event completed above): its step's temporaries are spare
                 self._keep_temps(slot)
@@ -465,6 +477,70 @@ class StagingRing(RingCore):  # type: ignore[misc,valid-type]
         if stamp > self._certified:
             self._certified = stamp
         return True
+
+    def wait_slot(self, index: int, what: str) -> None:
+        """Wait for slot ``index``'s event, at most :attr:`timeout` seconds.
+
+        Parameters
+        ----------
+        index : int
+        what : str
+            What the wait is for, for the error.
+
+        Raises
+        ------
+        CopyError
+            Past the deadline, saying what it waited for: the slot, its event, the
+            stream, the copies and sites in flight in it, and how long. Nothing is
+            changed: the copier stays usable.
+        """
+        event = self._events[index]
+        shown = f"{event:#x}" if isinstance(event, int) else repr(event)
+        t0 = time.monotonic()
+        if self.backend.event_wait(event, self.timeout):
+            return
+        spent = time.monotonic() - t0
+        raise CopyError(
+            f"{what}: waited {spent:.3g} s (wait_timeout={self.timeout:g} s) for ring slot "
+            f"{index}: its event {shown}, recorded on stream {self.stream!r} after "
+            f"step {self._slots[index].stamp} of {self.acquires}, has not completed. In "
+            f"flight in that slot: {self.in_slot(index)}. The device never finished the "
+            "work queued before that event (a hung or stalled kernel on that stream?); "
+            "nothing was changed, the copier stays usable and its next wait starts afresh"
+        )
+
+    def in_slot(self, index: int) -> str:
+        """What slot ``index`` holds for the device: segments, copies, sites, eager bytes."""
+        slot = self._slots[index]
+        if slot is None or slot.array is None:
+            return "nothing"
+        buf = slot.array
+        segs = copies = 0
+        nbytes = 0
+        sites: dict = {}
+        off, end = 0, min(slot.bottom, slot.size)
+        while off + pack.HEADER_BYTES <= end:
+            try:
+                header, descs = pack.decode(buf[off:end])
+            except ValueError:
+                off += 256  # a gap (a graphed segment's reserve): the next 256-byte start
+                continue
+            total = int(header["total_bytes"])
+            segs += 1
+            copies += len(descs)
+            nbytes += total
+            for dst in descs["dst"].tolist():
+                site = self.sites_at.get(int(dst))
+                name = getattr(site, "label", None) or f"dst {int(dst):#x}"
+                sites[name] = sites.get(name, 0) + 1
+            off += max(pack.align(total, 256), 256)
+        eager = slot.size - slot.top
+        out = f"{segs} segment(s), {copies} copies, {nbytes} bytes"
+        if sites:
+            out += " (sites: " + ", ".join(f"{k} x{v}" for k, v in sites.items()) + ")"
+        if eager:
+            out += f", and {eager} bytes of eager copies' snapshots"
+        return out
 
     def record(self, stream) -> None:
         """Record the current slot's event after the work enqueued so far."""
@@ -565,9 +641,10 @@ class StagingRing(RingCore):  # type: ignore[misc,valid-type]
         Retry-safe: after a failure (a wait or a free that raised) the memory not yet
         freed stays with the ring and a second call frees it.
         """
-        for slot in self._slots:
+        for i, slot in enumerate(self._slots):
             if slot is not None and slot.recorded:
-                self.backend.event_synchronize(slot.event)
+                self.wait_slot(i, "close(): a ring slot in flight")
+                slot.recorded = False
         self.current = None
         for i, slot in enumerate(self._slots):
             if slot is not None:

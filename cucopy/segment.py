@@ -872,6 +872,9 @@ CopierCore = None
 StepCore = None
 #: ``cucopy.copier._PyActivation``'s compiled twin (None with the pure-Python segment)
 Activation = None
+#: the calling thread's current Context's address, which the compiled step records
+#: (``cucopy.copier._step_copier``; None with the pure-Python segment)
+context_id = None
 if not os.environ.get("CUCOPY_PURE_PYTHON"):
     try:
         from . import _segment as _compiled
@@ -896,4 +899,5 @@ if not os.environ.get("CUCOPY_PURE_PYTHON"):
         StepCore = _compiled.StepCore
         Activation = _compiled.Activation
         thread_id = _compiled.thread_id
+        context_id = _compiled._context_id
         IMPLEMENTATION = "compiled"

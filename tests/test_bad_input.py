@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 
 import cucopy as cc
-from cucopy import check
 from cucopy.backends.sim import SimArray, SimDevice
 
 
@@ -471,12 +470,6 @@ CASES = [
         lambda k: k.capture(lambda: k.cap.copy(Site.GATHER, k.a[::2], k.b[::-2])),
         ValueError,
         r"Site\.GATHER: during graph capture a D2D copy needs contiguous",
-    ),
-    case(
-        "expect_landed_without_check_mode",
-        lambda k: (k.mp.setattr(check, "CHECK_MODE", False), cc.expect_landed(Site.POS, k.a)),
-        cc.CopyError,
-        r"Site\.POS: expect_landed needs check mode",
     ),
     case(
         "on_drop_not_callable",

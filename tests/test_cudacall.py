@@ -969,7 +969,13 @@ def _landing_copier(
         ring = c._ring
         by_handle.update({0xE000 + i: ev for i, ev in enumerate(ring._events)})
         ring._events = list(by_handle)
-        for name in ("event_record", "event_query", "event_synchronize", "event_destroy"):
+        for name in (
+            "event_record",
+            "event_query",
+            "event_synchronize",
+            "event_wait",
+            "event_destroy",
+        ):
             fn = getattr(be, name)
             setattr(be, name, lambda ev, *a, _fn=fn: _fn(by_handle.get(ev, ev), *a))
     fake = Landing()
@@ -1473,3 +1479,38 @@ def test_on_a_gpu_cached_destinations_stay_on_the_fast_path(env, kind):
     host = b.cpu().numpy() if kind == "torch" else env.cp.asnumpy(b)
     assert host.reshape(-1).tolist() == list(range(8)) and calls == [site.b]
     c.close()
+
+
+@needs_ext
+def test_event_wait_sleeps_between_queries_and_gives_up_at_its_deadline():
+    """cuEventQuery, then a sleep (20 us doubling to 1 ms) with the GIL released, never a
+    spin: a 50 ms wait on an event that never completes asks it a few dozen times."""
+    import threading
+    import time
+
+    fake = FakeDriver()
+    d = _driver(fake)
+    assert d.event_wait(0xE1, 10**9) == -1  # before events(): the backend polls in Python
+    d.events(*fake.event_addrs)
+    assert d.event_wait(0xE1, 10**9) == 0  # complete: one query, no sleep
+    assert fake.queries == [0xE1]
+    fake.pending.add(0xE2)
+    ticks = []
+    stop = threading.Event()
+    other = threading.Thread(
+        target=lambda: [ticks.append(1) or time.sleep(0.001) for _ in iter(stop.is_set, True)]
+    )
+    other.start()
+    t0 = time.monotonic()
+    assert d.event_wait(0xE2, 50_000_000) == NOT_READY
+    spent = time.monotonic() - t0
+    stop.set()
+    other.join()
+    assert 0.05 <= spent < 1.0
+    asked = fake.queries.count(0xE2)
+    assert 5 <= asked <= 120, asked  # slept between queries (a spin asks ~10^5 times)
+    assert len(ticks) >= 10  # the GIL was released while it slept
+    fake.pending.clear()
+    assert d.event_wait(0xE2, 50_000_000) == 0
+    fake.event_result = 700  # a failure comes back at once, as is
+    assert d.event_wait(0xE3, 10**9) == 700

@@ -50,6 +50,7 @@ class FaultyBackend(SimBackend):
         "event_record",
         "event_query",
         "event_synchronize",
+        "event_wait",
     )
 
     def __init__(self, device):
@@ -338,7 +339,7 @@ def test_failed_begin_leaves_no_step_open(policy, method):
 # -- events failing -----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("method", ["event_query", "event_synchronize"])
+@pytest.mark.parametrize("method", ["event_query", "event_wait"])
 def test_ring_wait_fails(method):
     """The ring polls and then waits for a reused slot (lazy: the slot is still in flight).
 

@@ -270,6 +270,7 @@ def test_another_threads_step_exit_leaves_the_owners_step_open(dev):
         assert c.in_step and c.staged == 1
         c.copy(Site.A, dst[:1], np.array([5], np.int32))  # still the owner's step
     np.testing.assert_array_equal(dev.to_host(dst), [5, 1, 2, 3])
+    assert cc.active_copier() is None  # the owner's exit deactivated the step's copier
 
 
 def test_a_dead_threads_step_is_never_a_new_threads(dev):

@@ -25,6 +25,7 @@ import sys
 import numpy as np
 import torch
 
+from ..errors import CopyError
 from . import ArrayInfo, extension_dtype
 
 __all__ = ["resolve", "current_stream"]
@@ -435,3 +436,131 @@ def _handle_word(tensors) -> int:
 _native = _native_getters()
 if _native is not None:
     fingerprint.__cucopy_native__ = _native
+
+
+# -- check mode: torch operations on a staged destination ------------------------------------
+
+# operations that touch no tensor's bytes (views, metadata): never a read before a barrier
+_METADATA_OPS = frozenset(
+    {
+        "aten::is_pinned",
+        "aten::size",
+        "aten::stride",
+        "aten::sym_size",
+        "aten::sym_stride",
+        "aten::sym_numel",
+        "aten::storage_offset",
+        "aten::sym_storage_offset",
+        "aten::is_contiguous",
+        "aten::dim",
+        "aten::numel",
+        "aten::detach",
+        "aten::alias",
+        "aten::lift_fresh",
+        "aten::empty_like",
+        "aten::empty.memory_format",
+        "aten::empty_strided",
+    }
+)
+
+
+def _extent(t) -> tuple[int, int] | None:
+    """``[lo, hi)``: the bytes a tensor's view spans (None: no storage, or empty)."""
+    try:
+        if t.numel() == 0:
+            return None
+        it = t.element_size()
+        ptr = t.untyped_storage().data_ptr() + t.storage_offset() * it
+    except (RuntimeError, NotImplementedError):  # fake, meta or sparse tensors
+        return None
+    lo = hi = ptr
+    for n, s in zip(t.shape, t.stride()):
+        if n > 1:
+            if s >= 0:
+                hi += (n - 1) * s * it
+            else:
+                lo += (n - 1) * s * it
+    return lo, hi + it
+
+
+def _device_key(t):
+    d = t.device
+    return d.index if d.type == "cuda" else d.type
+
+
+class StagedWatch:
+    """Check mode: a torch dispatch mode that refuses operations on staged bytes.
+
+    While it is entered, every torch operation's tensor arguments (outputs
+    included: ``out=`` and in-place ones) are looked up with ``find(device, lo,
+    hi)``; a hit (a description of the staged copy: its site and byte range) raises
+    :class:`~cucopy.CopyError` naming it, the operation and the tensor. Views and
+    metadata queries touch no bytes and pass.
+
+    Parameters
+    ----------
+    find : callable
+        ``find(device, lo, hi) -> str | None``: ``device`` is the CUDA ordinal (or
+        ``"cpu"``, ``"meta"``...), ``[lo, hi)`` the tensor's byte span.
+    """
+
+    def __init__(self, find):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        watch = self
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                if not (getattr(func, "is_view", False) or func.name() in _METADATA_OPS):
+                    watch._check(func, args, kwargs)
+                return func(*args, **kwargs)
+
+        self._find = find
+        self._mode = _Mode()
+        self._entered = False
+
+    def _check(self, func, args, kwargs) -> None:
+        for x in _flat((args, kwargs)):
+            if isinstance(x, torch.Tensor):
+                span = _extent(x)
+                if span is None:
+                    continue
+                hit = self._find(_device_key(x), *span)
+                if hit is not None:
+                    raise CopyError(
+                        f"{hit} was touched by torch operation {func.name()} (on "
+                        f"{x.dtype} tensor shape={tuple(x.shape)} on {x.device}, bytes "
+                        f"[{span[0]:#x}, {span[1]:#x})) before its barrier: the merged copy "
+                        "into it has not landed. Make the site a flush_after barrier, or "
+                        "flush() before this operation"
+                    )
+
+    def enter(self) -> None:
+        """Start watching (idempotent)."""
+        if not self._entered:
+            self._mode.__enter__()
+            self._entered = True
+
+    def exit(self) -> bool:
+        """Stop watching; False (still entered) when another mode was pushed above it."""
+        if not self._entered:
+            return True
+        from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+        if _get_current_dispatch_mode() is not self._mode:
+            return False
+        self._mode.__exit__(None, None, None)
+        self._entered = False
+        return True
+
+
+def _flat(obj):
+    if isinstance(obj, (list, tuple)):
+        for x in obj:
+            yield from _flat(x)
+    elif isinstance(obj, dict):
+        for x in obj.values():
+            yield from _flat(x)
+    else:
+        yield obj

@@ -35,6 +35,7 @@
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
+#include <time.h>
 #include "../_carried_launcher.h"
 
 typedef int (*launch_fn)(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
@@ -463,6 +464,39 @@ static PyObject *Driver_event_query(Driver *self, PyObject *const *args, Py_ssiz
     return PyLong_FromLong(query_impl(self, v[0]));
 }
 
+/* event_wait(event, timeout_ns) -> CUresult of the last cuEventQuery: 0 complete, 600
+ * (not ready) when timeout_ns passed first, OTHER_CONTEXT / -1 as query(). A bounded
+ * host wait (cucopy/deadline.py): cuEventQuery, then a sleep with the GIL released
+ * (nanosleep, 20 us doubling to 1 ms: never a spin, and cuEventSynchronize's blocking
+ * sync would have no bound), until the event completes or the deadline passes.
+ * Signals are checked between sleeps: Ctrl-C ends the wait with KeyboardInterrupt
+ * (NULL returned, the exception set). */
+static PyObject *Driver_event_wait(Driver *self, PyObject *const *args, Py_ssize_t nargs) {
+    unsigned long long v[2];
+    if (ull_args(args, nargs, 2, v, "event_wait(event, timeout_ns)") < 0) return NULL;
+    int rc = query_impl(self, v[0]);
+    if (rc != 600) return PyLong_FromLong(rc);
+    struct timespec t0, now;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    long long delay = 20000; /* ns */
+    for (;;) {
+        clock_gettime(CLOCK_MONOTONIC, &now);
+        unsigned long long spent = (unsigned long long)(now.tv_sec - t0.tv_sec) * 1000000000ULL +
+                                   (unsigned long long)(now.tv_nsec - t0.tv_nsec);
+        if (spent >= v[1]) return PyLong_FromLong(query_impl(self, v[0]));
+        unsigned long long left = v[1] - spent;
+        struct timespec d = {0, (long)((unsigned long long)delay < left ? delay : (long long)left)};
+        Py_BEGIN_ALLOW_THREADS
+        nanosleep(&d, NULL);
+        Py_END_ALLOW_THREADS
+        if (PyErr_CheckSignals() < 0) return NULL;
+        rc = query_impl(self, v[0]);
+        if (rc != 600) return PyLong_FromLong(rc);
+        if (delay < 1000000) delay *= 2;
+        if (delay > 1000000) delay = 1000000;
+    }
+}
+
 /* launcher() -> a capsule of the carried launch and the event calls as C functions
  * (CarriedLauncher), holding this Driver alive; the event calls answer -1 until
  * events() */
@@ -525,6 +559,9 @@ static PyMethodDef Driver_methods[] = {
      "graphed(stream, seg) -> CUresult of launching seg's one-node graph; -1: none launched."},
     {"event_query", (PyCFunction)(void (*)(void))Driver_event_query, METH_FASTCALL,
      "event_query(event) -> CUresult of cuEventQuery (0, 600: not ready); -1 before events()."},
+    {"event_wait", (PyCFunction)(void (*)(void))Driver_event_wait, METH_FASTCALL,
+     "event_wait(event, timeout_ns) -> CUresult of the last cuEventQuery (600: the deadline "
+     "passed); sleeps between queries (20 us doubling to 1 ms) with the GIL released."},
     {NULL, NULL, 0, NULL}};
 
 static PyTypeObject DriverType = {

@@ -11,6 +11,11 @@ host addresses as the process sees them. Streams are whatever
 
 from __future__ import annotations
 
+import numpy as np
+
+from .. import pack
+from ..deadline import poll
+
 __all__ = ["Backend", "PinnedBuffer", "DeviceBuffer"]
 
 
@@ -69,6 +74,33 @@ class DeviceBuffer:
         if free is not None:
             free()
             self._free = None
+
+
+#: coherence probes' answers by device (Backend.mapped_coherent), and their buffers
+_coherent: dict = {}
+_kept: list = []
+_PROBE_BYTES = 64
+_encode = pack.encode  # bound here: the probe is not a segment the copier encodes
+
+
+def _probe(backend, pin, out, stream) -> bool:
+    """One coherence probe: a one-copy segment in ``pin``, read mapped by the scatter
+    kernel into ``out``, read back; True when the bytes arrived intact."""
+    pattern = (np.arange(_PROBE_BYTES, dtype=np.uint8) * 37 + 91).astype(np.uint8)
+    arr = pin.array
+    arr[:] = 0
+    data = pack.align(pack.HEADER_BYTES + pack.DESC_BYTES, 16)
+    total = data + _PROBE_BYTES
+    desc = (out.ptr, data, 0, _PROBE_BYTES, _PROBE_BYTES, _PROBE_BYTES, 1, pack.KIND_H2D, 0, 0)
+    nblocks = _encode(arr, [desc], data, total)
+    arr[data:total] = pattern
+    try:
+        backend.fill(out.ptr, _PROBE_BYTES, _PROBE_BYTES, 1, 0, 1, stream)
+        backend.scatter(pin.device_ptr, nblocks, stream, True)
+        got = np.frombuffer(backend.read(out.ptr, _PROBE_BYTES, stream), np.uint8)
+    except Exception:  # the kernel refused what it read (a bad header): not coherent
+        return False
+    return bool(np.array_equal(got, pattern))
 
 
 class Backend:
@@ -233,6 +265,103 @@ class Backend:
         """Release an event."""
         # implemented by the backend
         raise NotImplementedError
+
+    def event_wait(self, event, timeout: float) -> bool:
+        """Block the host until ``event`` completes or ``timeout`` seconds pass.
+
+        Every wait the copier makes goes through here with its deadline
+        (:mod:`cucopy.deadline`). This one polls :meth:`event_query`, sleeping between
+        queries (20 µs doubling to 1 ms), never spinning.
+
+        Parameters
+        ----------
+        event : object
+            An event from :meth:`event_create`.
+        timeout : float
+            Seconds (``math.inf``: no bound).
+
+        Returns
+        -------
+        bool
+            True when the event completed, False when the deadline passed first.
+        """
+        return poll(self.event_query, event, timeout)
+
+    def stream_wait(self, stream, timeout: float) -> bool:
+        """Block until the work queued on ``stream`` has run, or ``timeout`` seconds pass.
+
+        A bounded :meth:`synchronize`: records a new event and waits for it
+        (:meth:`event_wait`).
+
+        Returns
+        -------
+        bool
+            True when the stream drained, False when the deadline passed first.
+        """
+        event = self.event_create()
+        try:
+            self.event_record(event, stream)
+            return self.event_wait(event, timeout)
+        finally:
+            self.event_destroy(event)
+
+    # -- check mode --------------------------------------------------------------
+
+    def watch(self, rows, label: str, stream):
+        """Check mode: from this point of ``stream`` on, raise when other work touches ``rows``.
+
+        ``rows`` are ``(device address, bytes)`` runs of a merged destination whose
+        copy is staged; ``label`` starts the error (the site and the destination).
+        Work issued through this backend instance (its copier's own) is exempt. A
+        backend that cannot see other work returns None (the sentinel the copier
+        writes into the destination is then what a premature reader sees).
+
+        Returns
+        -------
+        object
+            A token for :meth:`unwatch`, or None.
+        """
+        return None
+
+    def unwatch(self, tokens, stream) -> None:
+        """Check mode: stop the watches ``tokens`` at this point of ``stream`` (after the
+        launch that lands their copies, or when they are dropped)."""
+
+    # -- mapped memory -----------------------------------------------------------
+
+    def mapped_coherent(self) -> bool:
+        """Whether the device reads mapped pinned memory as the host wrote it.
+
+        Under GPU confidential computing a pinned mapping may read stale or zero
+        bytes; ``mapped`` and graphed flushes (and graph feeds) read the segment
+        through one. The first call for a device runs :meth:`coherence_probe`; its
+        answer is kept for the device.
+        """
+        key = self.describe()
+        got = _coherent.get(key)
+        if got is None:
+            got = _coherent[key] = self.coherence_probe()
+        return got
+
+    def coherence_probe(self) -> bool:
+        """Write a pattern into pinned memory and have the scatter kernel read it through
+        the mapping into device memory; True when the device bytes match.
+
+        Runs on :meth:`probe_stream` (None: nothing to probe with, assumed coherent)
+        and keeps its two small buffers for the process: a free waits for the whole
+        device, which must not happen while another stream is held.
+        """
+        stream = self.probe_stream()
+        if stream is None:
+            return True
+        pin = self.alloc_pinned(4096)
+        out = self.alloc_device(_PROBE_BYTES)
+        _kept.append((pin, out))
+        return _probe(self, pin, out, stream)
+
+    def probe_stream(self):
+        """A stream of the backend's own for :meth:`coherence_probe`, or None."""
+        return None
 
     # -- tuning ----------------------------------------------------------------
 

@@ -58,6 +58,7 @@ import numpy as np
 
 from .. import pack
 from ..adapters import stream_handle
+from ..deadline import poll
 from ..errors import CopyError
 from .base import Backend, DeviceBuffer, PinnedBuffer
 
@@ -79,6 +80,7 @@ _D2D = 3  # cudaMemcpyDeviceToDevice
 _MEMORY_TYPE_HOST = 1  # cudaMemoryTypeHost (page-locked or registered)
 _SUCCESS = 0
 _ERROR_NOT_READY = 600  # cudaErrorNotReady
+_probe_streams: dict = {}  # the coherence probe's stream by device (CudaBackend.probe_stream)
 
 #: Segments of at most this many bytes are flushed ``mapped`` under
 #: ``flush_mode="auto"`` when ``crossover.json`` has no entry for the device.
@@ -1221,6 +1223,40 @@ class CudaBackend(Backend):
             _rt.eventSynchronize(event)
         except _RuntimeError as e:
             raise self._error("cudaEventSynchronize", e, f" (event={event:#x})") from e
+
+    def probe_stream(self):
+        """A non-blocking stream of the backend's own for the coherence probe (kept for
+        the process: destroying it could wait), so the probe runs beside a held one."""
+        st = _probe_streams.get(self.device)
+        if st is None:
+            st = _probe_streams[self.device] = self._on_device(
+                lambda: _cupy.cuda.Stream(non_blocking=True)
+            )
+        return st.ptr
+
+    def event_wait(self, event, timeout: float) -> bool:
+        """Wait for ``event`` at most ``timeout`` seconds; True when it completed.
+
+        Polls ``cuEventQuery`` and sleeps between queries (20 µs doubling to 1 ms),
+        in C with the GIL released while asleep once the compiled driver calls are
+        bound; else the same loop in Python (:func:`cucopy.deadline.poll`). Never
+        ``cudaEventSynchronize``, which has no bound.
+
+        Raises
+        ------
+        CopyError
+            When the query fails.
+        """
+        fast = self._bound
+        if fast is not None and isinstance(event, int):
+            ns = int(min(timeout, 1e9) * 1e9)
+            rc = fast.event_wait(event, ns)
+            if rc == 0:
+                return True
+            if rc == _ERROR_NOT_READY:
+                return False
+            # another context current, or no compiled query: the Python loop below
+        return poll(self.event_query, event, timeout)
 
     def event_destroy(self, event) -> None:
         """Release an event (pending work still completes)."""

@@ -47,6 +47,7 @@ import numpy as np
 
 from .. import pack
 from ..adapters import ArrayInfo
+from ..deadline import poll
 from ..errors import CopyError
 from .base import Backend, DeviceBuffer, PinnedBuffer
 
@@ -86,6 +87,30 @@ def _serialized(method: _F) -> _F:
             return method(self, *args, **kwargs)
 
     return cast(_F, run)
+
+
+def _rows_of(arr) -> list:
+    """``(address, width)`` of each contiguous run of ``arr``'s bytes."""
+    from .._layout import blocks
+
+    it = arr.dtype.itemsize
+    return [
+        (ptr + r * pitch, width)
+        for ptr, rows, width, pitch in blocks(arr.ptr, arr.shape, arr.strides, it)
+        for r in range(rows)
+    ]
+
+
+def _desc_rows(seg) -> list:
+    """The bytes a segment's descriptors write, and the device bytes its D2D copies read."""
+    _, descs = pack.decode(seg)
+    out = []
+    for d in descs:
+        w, n = int(d["width"]), int(d["rows"])
+        out += [(int(d["dst"]) + r * int(d["dst_pitch"]), w) for r in range(n)]
+        if int(d["kind"]) == pack.KIND_D2D:
+            out += [(int(d["src"]) + r * int(d["src_pitch"]), w) for r in range(n)]
+    return out
 
 
 class SimDeadlock(CopyError):
@@ -133,7 +158,15 @@ class SimArray:
 
     def __setitem__(self, idx, value) -> None:
         # a blocking write, as cudaMemcpy on the legacy default stream
-        self.device.synchronize()
+        dev = self.device
+        dev.synchronize()
+        if dev._watches:
+            sub = self._view[(idx if isinstance(idx, tuple) else (idx,)) + (Ellipsis,)]
+            ptr = self._base + (sub.__array_interface__["data"][0] - self._alloc.ctypes.data)
+            rows = _rows_of(
+                SimArray(dev, sub.reshape(-1) if sub.ndim == 0 else sub, self._alloc, self._base)
+            )
+            dev._touch(rows, f"a host write into {self!r}[{idx!r}] (at {ptr:#x})")
         self._view[idx] = value
 
     @property
@@ -220,6 +253,24 @@ class SimEvent:
         if self._stream is not None and not self.query():
             self._stream._run_until(lambda: self.query())
 
+    def wait(self, timeout: float) -> bool:
+        """Run the recording stream until the event completes, for at most ``timeout`` s.
+
+        Behind a stalled stream (:meth:`SimStream.hold` with ``stall=True``) the host
+        sleeps between queries until the hold ends (another thread) or the deadline
+        passes, as on a GPU whose kernel never ends; behind a plain hold it raises
+        :class:`SimDeadlock` at once, as :meth:`synchronize` does.
+
+        Returns
+        -------
+        bool
+            True when the event completed, False when the deadline passed first.
+        """
+        stream = self._stream
+        if stream is None or self.query():
+            return True
+        return poll(lambda _: stream._advance_until(self.query), None, timeout)
+
 
 class SimStream:
     """A FIFO queue of work that runs later, according to the device's policy."""
@@ -229,6 +280,7 @@ class SimStream:
         self.name = name
         self._queue = deque()
         self._holds = 0
+        self._stalls = 0  # holds that stall (hold(stall=True)): bounded waits time out
         self._graph = None
         self.ops = 0  # operations enqueued, for benchmarks
 
@@ -240,18 +292,30 @@ class SimStream:
         if self._graph is not None:
             self._graph._ops.append(fn)
             return
-        self._queue.append(fn)
         dev = self.device
+        dev._epoch += 1
+        self._queue.append((fn, dev._epoch))
         if dev.policy == "eager":
             self._run(len(self._queue))
         elif dev.policy == "random":
             self._run(int(dev.rng.integers(0, len(self._queue) + 1)))
 
+    def _exec(self) -> None:
+        """Run the oldest queued operation (the device knows which stream runs it)."""
+        fn, epoch = self._queue.popleft()
+        dev = self.device
+        prev = dev._running, dev._running_epoch
+        dev._running, dev._running_epoch = self, epoch
+        try:
+            fn()
+        finally:
+            dev._running, dev._running_epoch = prev
+
     @_serialized
     def _run(self, n) -> None:
         q = self._queue
         while n > 0 and q and not self._holds:
-            q.popleft()()
+            self._exec()
             n -= 1
 
     @_serialized
@@ -264,7 +328,23 @@ class SimStream:
                     f"waited on sim stream {self.name or id(self):} while it is held: "
                     "on a GPU the host would hang here"
                 )
-            self._queue.popleft()()
+            self._exec()
+
+    @_serialized
+    def _advance_until(self, done) -> bool:
+        """Run queued work until ``done()`` or a stall; whether ``done()`` (see SimEvent.wait)."""
+        while not done():
+            if not self._queue:
+                raise AssertionError("internal: waited for work that was never enqueued")
+            if self._holds:
+                if self._holds > self._stalls:
+                    raise SimDeadlock(
+                        f"waited on sim stream {self.name or id(self)} while it is held: "
+                        "on a GPU the host would hang here"
+                    )
+                return False
+            self._exec()
+        return True
 
     def launch(self, fn) -> None:
         """Enqueue foreign work: ``fn()`` runs in stream order (a stand-in for a kernel)."""
@@ -326,13 +406,25 @@ class SimStream:
         return len(self._queue)
 
     @contextlib.contextmanager
-    def hold(self):
-        """Stall the stream, as a long-running kernel does, until the block exits."""
+    def hold(self, *, stall: bool = False):
+        """Stall the stream, as a long-running kernel does, until the block exits.
+
+        Parameters
+        ----------
+        stall : bool
+            False: a host wait on the held work raises :class:`SimDeadlock` at once
+            (on a GPU it would hang). True: a stream that never completes, as behind
+            a hung kernel: a bounded wait (:meth:`SimEvent.wait`, the copier's waits)
+            sleeps until its deadline and reports it; an unbounded one still raises
+            :class:`SimDeadlock`.
+        """
         self._holds += 1
+        self._stalls += bool(stall)
         try:
             yield self
         finally:
             self._holds -= 1
+            self._stalls -= bool(stall)
             if not self._holds and self.device.policy == "eager":
                 self._run(len(self._queue))
 
@@ -416,13 +508,17 @@ class SimDevice:
         What a scatter launch may carry in its parameters, as the CUDA backend
         offers (``pack.CARRY_CAPACITIES``); set ``()`` to model a driver that
         carries nothing, or a prefix to model one without large parameters.
+    mapped_coherent : bool
+        False models a device whose reads of mapped pinned memory return zeros (a
+        pinned mapping under GPU confidential computing may read stale or zero
+        bytes): the copier's coherence probe then fails and it uses ``dma``.
     graph_capacity : int
         Bytes a graphed scatter reads at its segment, as the CUDA backend offers
         (``pack.GRAPH_CAPACITY``) when the driver's graph calls are there; 0 (the
         default) models a backend without them. Set it before making a copier.
     """
 
-    def __init__(self, policy: str = "lazy", seed: int = 0):
+    def __init__(self, policy: str = "lazy", seed: int = 0, *, mapped_coherent: bool = True):
         if policy not in POLICIES:
             raise ValueError(f"SimDevice: policy must be one of {POLICIES}, got {policy!r}")
         self.policy = policy
@@ -441,6 +537,18 @@ class SimDevice:
         self.carry_capacities = pack.CARRY_CAPACITIES
         self.graph_capacity = 0
         self._feeds = 0  # graph feeds captured (SimBackend.feed_capture)
+        #: check mode's watches (SimBackend.watch): token -> (rows, label, owner backend,
+        #: stream, the host-order epoch of the call, [armed on the stream])
+        self._watches: dict = {}
+        self._watch_ids = itertools.count(1)
+        self._running = None  # the stream whose operation runs now
+        self._running_epoch = 0  # and when (in host order) that operation was enqueued
+        self._epoch = 0  # operations enqueued on any stream so far (host order)
+        #: False: the device reads zeros through mapped pinned memory (as under GPU
+        #: confidential computing, where a mapping may not be coherent); set before
+        #: making a copier
+        self.mapped_coherent = mapped_coherent
+        self._coherence = None  # the coherence probe's answer (SimBackend.mapped_coherent)
 
     # -- memory ---------------------------------------------------------------
 
@@ -483,8 +591,44 @@ class SimDevice:
         return np.array(arr._view, copy=True)
 
     def raw(self, arr: SimArray) -> np.ndarray:
-        """Writable NumPy view of the array's device bytes (for work run in stream order)."""
+        """Writable NumPy view of the array's device bytes (for work run in stream order).
+
+        In check mode, work that asks for bytes of a merged destination whose copy has
+        not landed yet raises :class:`~cucopy.CopyError` (a reader or writer before
+        its barrier).
+        """
+        if self._watches and self._running is not None:
+            self._touch(
+                _rows_of(arr),
+                f"dev.raw({arr!r}) in work launched on stream {self._running.name}",
+            )
         return arr._view
+
+    def _touch(self, rows, op: str, owner=None) -> None:
+        """Raise if ``rows`` ((address, width) pairs) meet a watched destination.
+
+        ``owner``: the backend issuing the operation (its own copier's watches do not
+        apply: it orders its own work).
+        """
+        running, epoch = self._running, self._running_epoch
+        for wrows, label, wowner, wstream, wepoch, armed in list(self._watches.values()):
+            if owner is not None and wowner is owner:
+                continue
+            if running is wstream or running is None:
+                if not armed[0]:  # the copier's stream has not reached the call yet
+                    continue
+            elif epoch <= wepoch:  # another stream's work, issued before the call
+                continue
+            for a, w in rows:
+                for b, v in wrows:
+                    if a < b + v and b < a + w:
+                        lo, hi = max(a, b), min(a + w, b + v)
+                        raise CopyError(
+                            f"{label} [{lo:#x}, {hi:#x}) were read or written by "
+                            f"other work before its barrier: {op}. The plan promises that "
+                            "nothing touches a merged destination before its barrier: make "
+                            "the site a flush_after barrier, or flush() before this work"
+                        )
 
     def pinned_empty(self, shape, dtype=np.float32) -> np.ndarray:
         """A page-locked host array: async copies read it when they run."""
@@ -528,6 +672,9 @@ class SimDevice:
     def _mem(self, addr: int, nbytes: int) -> np.ndarray:
         """The device bytes ``[addr, addr + nbytes)`` as a writable view."""
         if self._space + _MAPPED <= addr < self._space + 2 * _MAPPED:
+            if not self.mapped_coherent and self._running is not None:
+                # device work reading through an incoherent mapping: zeros
+                return np.zeros(nbytes, np.uint8)
             host = addr - self._space - _MAPPED
             hit = self._pinned_at(host, nbytes)
             if hit is None:
@@ -693,9 +840,18 @@ class SimBackend(Backend):
                 )
                 return rows_of.copy().reshape(-1)
 
+            srows = [(src + r * spitch, width) for r in range(rows)]
             spitch = width  # of the packed rows load() returns
 
         def run():
+            if dev._watches:  # check mode: another copier's merged destination?
+                dst_rows = [(dst + r * dpitch, width) for r in range(rows)]
+                dev._touch(
+                    dst_rows if h2d else dst_rows + srows,
+                    f"a {'H2D' if h2d else 'D2D'} copy into [{dst:#x}, +{span}) on stream "
+                    f"{stream.name}",
+                    self,
+                )
             data = load()
             for r in range(rows):
                 dev._mem(dst + r * dpitch, width)[:] = data[r * spitch : r * spitch + width]
@@ -708,6 +864,12 @@ class SimBackend(Backend):
         row = np.frombuffer(int(value).to_bytes(8, "little")[:elem] * (width // elem), np.uint8)
 
         def run():
+            if dev._watches:
+                dev._touch(
+                    [(dst + r * dpitch, width) for r in range(rows)],
+                    f"a fill of [{dst:#x}, +{(rows - 1) * dpitch + width}) on stream {stream.name}",
+                    self,
+                )
             for r in range(rows):
                 dev._mem(dst + r * dpitch, width)[:] = row
 
@@ -748,6 +910,10 @@ class SimBackend(Backend):
                     f"{int(header['nblocks'])}"
                 )
             order = dev.rng.permutation(n)
+            if dev._watches:
+                dev._touch(
+                    _desc_rows(seg), f"another copier's scatter on stream {stream.name}", self
+                )
 
             def store(addr, data):
                 dev._mem(addr, len(data))[:] = np.frombuffer(data, np.uint8)
@@ -848,6 +1014,75 @@ class SimBackend(Backend):
 
     def event_destroy(self, event) -> None:
         pass
+
+    def event_wait(self, event, timeout: float) -> bool:
+        return event.wait(timeout)
+
+    def mapped_coherent(self) -> bool:
+        """The coherence probe's answer, kept on the device (see the base class)."""
+        dev = self.device
+        got = dev._coherence
+        if got is None:
+            got = dev._coherence = self.coherence_probe()
+        return got
+
+    def coherence_probe(self) -> bool:
+        """The base class's probe, on a stream of its own, leaving no trace: its buffers
+        are freed directly once its stream has run (no wait for the whole device,
+        which may be held) and its stream is forgotten."""
+        from .base import _PROBE_BYTES, _probe
+
+        dev = self.device
+        stream = SimStream(dev, "cucopy-probe")
+        with dev._lock:
+            dev._streams.append(stream)
+        buf = np.zeros(4096 + 64, np.uint8)
+        off = (-buf.ctypes.data) % 64
+        mem = buf[off : off + 4096]
+        dev._register_pinned(mem)
+        base, _ = dev._alloc(_PROBE_BYTES)
+        ptr = mem.ctypes.data
+        pin = PinnedBuffer(mem, ptr, dev.mapped_pointer(ptr), None)
+        rng, reads = dev.rng.bit_generator.state, dev.device_reads
+        try:
+            return _probe(self, pin, DeviceBuffer(base, _PROBE_BYTES, None), stream)
+        finally:
+            # the seeded shuffles and policies, and check mode's read count, as they were
+            dev.rng.bit_generator.state, dev.device_reads = rng, reads
+            stream._queue.clear()  # (run already, unless a probe op raised)
+            with dev._lock:
+                dev._streams.remove(stream)
+            dev._free(base)
+            dev._unregister_pinned(mem)
+
+    def watch(self, rows, label: str, stream):
+        """Check mode: from this point of ``stream`` on, other work touching ``rows``
+        raises (see :meth:`cucopy.backends.base.Backend.watch`)."""
+        dev = self.device
+        token = next(dev._watch_ids)
+        armed = [False]
+        # from the call on for work another stream issues after it (in host order);
+        # on the copier's own stream, from the call's position in it on
+        dev._watches[token] = (list(rows), label, self, stream, dev._epoch, armed)
+
+        def arm():
+            armed[0] = True
+
+        stream._enqueue(arm)
+        return token
+
+    def unwatch(self, tokens, stream) -> None:
+        """Check mode: stop watching ``tokens`` at this point of ``stream``."""
+        dev = self.device
+        tokens = [t for t in tokens if t is not None]
+        if not tokens:
+            return
+
+        def disarm():
+            for t in tokens:
+                dev._watches.pop(t, None)
+
+        stream._enqueue(disarm)
 
     def mapped_threshold(self) -> int:
         return 4096
