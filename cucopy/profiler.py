@@ -215,13 +215,14 @@ def _line(points: list) -> tuple[float, float]:
 
 
 #: The shipped defaults: an H200's, from run 50 (bench/results/2026-12-02-h200-run50/),
-#: ``CopyCosts.from_bench`` of that run (tests/test_profiler.py checks they agree).
+#: ``CopyCosts.from_bench`` of that run's stored summary (tests/test_profiler.py checks
+#: they agree).
 DEFAULT_COSTS = CopyCosts(
-    chain_host_step=1.331,
+    chain_host_step=1.347,
     chain_host_copy=4.074,
-    chain_gpu_step=10.432,
+    chain_gpu_step=10.413,
     chain_gpu_copy=3.258,
-    merged_host_step=5.994,
+    merged_host_step=5.99,
     merged_host_copy=0.154,
     merged_gpu_step=5.643,
     merged_gpu_copy=0.018,

@@ -451,12 +451,18 @@ def test_importing_cucopy_imports_no_framework():
 # -- bench/profile_programs.py, the part without a GPU ---------------------------------------------
 
 
-def test_profile_programs_decode_on_the_stand_in_device(tmp_path, capsys):
+def _profile_programs():
+    """``bench.profile_programs``, imported from the repository root."""
     sys.path.insert(0, str(ROOT))
     try:
         from bench import profile_programs
     finally:
         sys.path.remove(str(ROOT))
+    return profile_programs
+
+
+def test_profile_programs_decode_on_the_stand_in_device(tmp_path, capsys):
+    profile_programs = _profile_programs()
     rc = profile_programs.main(
         ["--device", "meta", "--steps", "8", "--out", str(tmp_path), "--programs", "decode,hf_sync"]
     )
@@ -517,11 +523,7 @@ def _transformers_ok() -> bool:
 def test_profile_programs_hf_sync_harness_on_the_cpu(tmp_path, capsys):
     # the engine's own thread, the upload hook and the expected counts, with the CPU as
     # the counted device: its seven torch.tensor calls a step and its mask blocks
-    sys.path.insert(0, str(ROOT))
-    try:
-        from bench import profile_programs
-    finally:
-        sys.path.remove(str(ROOT))
+    profile_programs = _profile_programs()
     rc = profile_programs.main(
         ["--device", "cpu", "--programs", "hf_sync", "--requests", "3", "--new-tokens", "4"]
         + ["--out", str(tmp_path)]
