@@ -2939,13 +2939,25 @@ static inline PyObject *weak_target(PyObject *ref) {
  * body runs (a fingerprint, h2d_fast's) may replace any of them on the buffer (another
  * prefix length, a route learnt anew, another thread's update). */
 typedef struct {
-    PyObject *route, *fsite, *fdtype, *updates, *fills, *pdst, *copier;
+    PyObject *route, *fsite, *fdtype, *updates, *fills, *pdst, *copier; /* copier: owned */
     Py_ssize_t fitem, fsize, pn;
+    int held; /* the others owned too: taken before the first call into Python (a skip
+               * from a NumPy array makes none, and pays no reference counting) */
 } BufSnap;
 
+static void snap_hold(BufSnap *k) {
+    if (k->held) return;
+    Py_XINCREF(k->route); Py_XINCREF(k->fsite); Py_XINCREF(k->fdtype);
+    Py_XINCREF(k->updates); Py_XINCREF(k->fills); Py_XINCREF(k->pdst);
+    k->held = 1;
+}
+
 static void snap_release(BufSnap *k) {
-    Py_XDECREF(k->route); Py_XDECREF(k->fsite); Py_XDECREF(k->fdtype);
-    Py_XDECREF(k->updates); Py_XDECREF(k->fills); Py_XDECREF(k->pdst); Py_XDECREF(k->copier);
+    if (k->held) {
+        Py_XDECREF(k->route); Py_XDECREF(k->fsite); Py_XDECREF(k->fdtype);
+        Py_XDECREF(k->updates); Py_XDECREF(k->fills); Py_XDECREF(k->pdst);
+    }
+    Py_XDECREF(k->copier);
 }
 
 /* host's bytes for update(): an exact C-contiguous ndarray's, or a cached source's
@@ -3006,12 +3018,12 @@ static PyObject *fastupdate_body(FastUpdate *f, BufSnap *k, PyObject *const *arg
         !b->fsite || b->fsite == Py_None || !b->updates || !PyDict_CheckExact(b->updates) ||
         b->fitem <= 0)
         goto rest;
-    k->route = Py_NewRef(b->froute);
-    k->fsite = Py_NewRef(b->fsite);
-    k->fdtype = Py_XNewRef(b->fdtype);
-    k->updates = Py_NewRef(b->updates);
-    k->fills = Py_XNewRef(b->fills);
-    k->pdst = Py_XNewRef(b->pdst);
+    k->route = b->froute; /* borrowed until snap_hold */
+    k->fsite = b->fsite;
+    k->fdtype = b->fdtype;
+    k->updates = b->updates;
+    k->fills = b->fills;
+    k->pdst = b->pdst;
     k->fitem = b->fitem;
     k->fsize = b->fsize;
     k->pn = b->pn;
@@ -3036,8 +3048,10 @@ static PyObject *fastupdate_body(FastUpdate *f, BufSnap *k, PyObject *const *arg
         if (!sc) { if (PyErr_Occurred()) return NULL; goto rest; }
         Py_INCREF(sc);
         hdtype = sc->dtype;
+        snap_hold(k); /* its fingerprint runs Python code below */
     }
     if (hdtype != k->fdtype) {
+        snap_hold(k); /* a dtype's compare may run Python code */
         int eq = k->fdtype ? PyObject_RichCompareBool(hdtype, k->fdtype, Py_EQ) : 0;
         if (eq != 1) {
             if (eq < 0 && soft_clear() < 0) goto fail_sc;
@@ -3048,6 +3062,7 @@ static PyObject *fastupdate_body(FastUpdate *f, BufSnap *k, PyObject *const *arg
     PyObject *rec = _PyDict_GetItem_KnownHash(k->updates, f->prefix, f->prefix_hash);
     if (!rec) { if (PyErr_Occurred()) goto fail_sc; goto rest_sc; }
     Py_INCREF(rec);
+    if (Py_TYPE(rec) != f->rectype) snap_hold(k); /* its slots read by name: Python */
     PyObject *data = rec_slot(f, rec, f->off_data, s_data);
     if (!data) { Py_DECREF(rec); goto fail_sc; }
     Py_ssize_t hn;
@@ -3072,6 +3087,7 @@ static PyObject *fastupdate_body(FastUpdate *f, BufSnap *k, PyObject *const *arg
         if (Py_TYPE(counts) == &SkipCountsType) {
             if (skips_count((SkipCounts *)counts, k->fsite) < 0) return NULL;
         } else {
+            snap_hold(k);
             PyObject *x = PyObject_CallMethod(counts, "count", "O", k->fsite);
             if (!x) return NULL;
             Py_DECREF(x);
@@ -3087,6 +3103,7 @@ static PyObject *fastupdate_body(FastUpdate *f, BufSnap *k, PyObject *const *arg
     if (!owned) goto fail_rec;
     Py_DECREF(owned);
     if (owned != Py_True) goto rest_rec;
+    snap_hold(k); /* from here on Python code runs */
     PyObject *drop = PyObject_GetAttr(self, s_invalidate);
     if (!drop) goto fail_rec;
     int code = h2d_fast(s, k->fsite, k->pdst, host, drop, 0);
