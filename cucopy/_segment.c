@@ -1593,7 +1593,7 @@ static int seg_capture_idle(Segment *s) {
 
 /* the segment still takes fast copies: the step open, its slot bound, the caller
  * the thread whose step it is */
-static inline int seg_usable(Segment *s) {
+HOT_INLINE int seg_usable(Segment *s) {
     return s->fast && s->bound && s->owner == thread_id();
 }
 
@@ -2962,7 +2962,7 @@ static void snap_release(BufSnap *k) {
 
 /* host's bytes for update(): an exact C-contiguous ndarray's, or a cached source's
  * (sc, held by the caller, validated): 1, or 0 when they are not readable so */
-static int host_bytes(PyObject *host, Cached *sc, Py_ssize_t fitem, const char **data,
+HOT_INLINE int host_bytes(PyObject *host, Cached *sc, Py_ssize_t fitem, const char **data,
                       Py_ssize_t *n, int *nd) {
     if (!sc) {
         NpArray *a = (NpArray *)host;
@@ -2982,7 +2982,7 @@ static int host_bytes(PyObject *host, Cached *sc, Py_ssize_t fitem, const char *
 }
 
 /* a record's bytes: an exact 1-D C-contiguous uint8 array (its length in *len) */
-static inline int record_bytes(PyObject *data, Py_ssize_t *len) {
+HOT_INLINE int record_bytes(PyObject *data, Py_ssize_t *len) {
     NpArray *d = (NpArray *)data;
     if ((PyObject *)Py_TYPE(data) != ndarray_type || d->nd != 1 || d->descr != uint8_descr ||
         !(d->flags & NPY_C_CONTIGUOUS_FLAG))
@@ -3072,8 +3072,9 @@ static PyObject *fastupdate_body(FastUpdate *f, BufSnap *k, PyObject *const *arg
         if (v < 0) goto fail_rec;
         if (!v) goto rest_rec;
     }
-    /* read now, after every call into Python: what they may have changed is read afresh */
-    if (!seg_usable(s) || !record_bytes(data, &hn) ||
+    /* read now, after every call into Python (what they may have changed is read afresh;
+     * with none made, k->held is 0 and the step and the record are as checked above) */
+    if ((k->held && (!seg_usable(s) || !record_bytes(data, &hn))) ||
         !host_bytes(host, sc, k->fitem, &hdata, &n, &hnd))
         goto rest_rec;
     if (n <= 0 || n > k->fsize) goto rest_rec;
