@@ -185,6 +185,10 @@ if [[ -n ${AB_BASE:-} ]]; then
     step ab_build 120 bash -c "cd '$AB_BASE' && '$PY' setup.py -q build_ext --inplace"
     step ab_step 200 bash -c "for r in 1 2 3; do for t in '$AB_BASE' .; do for s in numpy torch; do
         '$PY' bench/probes/ab_step.py --tree \$t --steps 2000 --src \$s --label \$t; done; done; done"
+    # the same, both trees in one process, blocks of steps interleaved (immune to the
+    # host's slow and fast spells, which last longer than a block pair)
+    step ab_inproc 200 bash -c "for s in numpy torch; do
+        '$PY' bench/probes/ab_inproc.py --base '$AB_BASE' --tree . --src \$s; done"
 fi
 
 # transformers' continuous batching (generate_batch) unmodified and routed through cucopy,
