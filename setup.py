@@ -7,6 +7,7 @@ The extension is optional: without a compiler the install still succeeds, says
 so once, and cucopy runs its pure-Python twin (``cucopy.segment.PySegment``).
 """
 
+import glob
 import sys
 
 import setuptools
@@ -61,8 +62,10 @@ setup(
     ext_modules=[
         Extension(
             "cucopy._segment",
-            ["cucopy/_segment.c"],
-            depends=["cucopy/_carried_launcher.h"],
+            # one translation unit: module.c includes the concept files beside it
+            # (cucopy/_core/README.md says why)
+            ["cucopy/_core/module.c"],
+            depends=["cucopy/_carried_launcher.h"] + sorted(glob.glob("cucopy/_core/*.[ch]")),
             extra_compile_args=["-O2", "-std=c11"],
         ),
         # the CUDA backend's per-step driver calls (links nothing: entry points are

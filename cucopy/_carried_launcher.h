@@ -1,6 +1,6 @@
 /* The carried scatter launch as a C function: made by the CUDA backend's compiled
  * driver calls (cucopy/backends/_cudacall.c, Driver.launcher()) and called by the
- * compiled staging core at flush (cucopy/_segment.c, Segment.flush_carried and
+ * compiled core at flush (cucopy/_core/wire.c and copier.c: Segment.flush_carried and
  * CopierCore._flush_fast), handed from one extension module to the other in a capsule
  * of this name whose pointer is this struct.
  *

@@ -1871,7 +1871,7 @@ def _step_copier() -> DeviceCopier | None:
     """With the compiled step: the copier whose ``step()`` block is open in this context.
 
     The compiled step records the context it was entered in rather than setting the
-    context variable (``_segment.c``, "a step activates its copier"), so a module-level
+    context variable (``_core/copier.c``, "a step activates its copier"), so a module-level
     call that finds no copier activated looks here: a scan of the live copiers, on a
     path the steady step never takes. (The pure-Python step sets the variable.)
     """

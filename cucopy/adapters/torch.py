@@ -274,7 +274,7 @@ fingerprint.__cucopy_view__ = (
 )
 
 
-# Native getters for the compiled staging core (cucopy/_segment.c, ``native_read``):
+# Native getters for the compiled staging core (cucopy/_core/foreign.c, ``native_read``):
 # torch's stable C shim (``aoti_torch_get_*``, which take an ``at::Tensor*``: one
 # word holding the TensorImpl that ``_cdata`` names) reads a tensor's address,
 # shape, strides and dtype without building a Python int or tuple. Declared only

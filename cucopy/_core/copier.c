@@ -1,0 +1,657 @@
+/* copier.c: the copier's per-step core: begin/flush, step, activation
+ *
+ * Part of the compiled core's one translation unit (module.c includes every
+ * file of this folder in dependency order; README.md says why). */
+#ifndef CUCOPY_UNITY
+#error "compiled only through module.c"
+#endif
+
+/* -- CopierCore: the copier's per-step fields, and begin()'s common case -----------
+ *
+ * ``cucopy.copier.DeviceCopier`` subclasses it (``copier.PyCopierCore`` is the Python
+ * twin: the same fields in ``__slots__``). ``_begin_fast()`` is ``begin()`` when
+ * nothing is unusual: the copier open and the step its thread's, nothing staged, no
+ * check mode, the stream not capturing (asked through ``_cap_query(_cap_arg)``, the
+ * backend's cheapest form of the query), and the ring's common step
+ * (``RingCore.advance_fast``) taken. It checks all of that before changing anything
+ * and returns False when any of it fails: ``begin()`` then runs its Python body,
+ * whole. It returns True when the step is open.
+ *
+ * These types (SlotCore, RingCore, CopierCore, StepCore, Activation) are the ring's
+ * and the copier's compiled parts, built into this module so that one extension holds
+ * the whole per-step path; they import nothing: the copier hands them what they read
+ * (the check module, the capture query, the launcher). */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *closed, *in_step, *owner, *seg, *checker, *feed, *feed_pending, *capturing;
+    PyObject *ring, *slot, *tables, *cap_for, *cap, *stepping, *stats, *cap_query, *cap_arg;
+    PyObject *launcher, *handle, *carry_max, *flush_mode; /* what a carried flush needs */
+    PyObject *mapped_max; /* the largest segment a mapped launch reads (auto's choice) */
+    PyObject *graph_cap;  /* mapped segments up to this many bytes launch graphed (0: none) */
+    PyObject *check_mod; /* cucopy.check, handed in by the copier (CHECK_MODE is read) */
+    long long fast_begins, fast_flushes;
+    /* counts of stats' totals the fast paths took, not yet folded into stats (a
+     * Python attribute += costs ~0.1 us a time): _take_counts() hands them over */
+    long long n_steps, n_segments, n_bytes, n_inline, n_mapped;
+    /* the Context its open step() block was entered in (0: none), and that step's
+     * sequence number (see current_context) */
+    long long step_ctx, step_seq;
+} CopierCore;
+
+#define COPIER_FIELDS(X) X(closed) X(in_step) X(owner) X(seg) X(checker) X(feed) \
+    X(feed_pending) X(capturing) X(ring) X(slot) X(tables) X(cap_for) X(cap) X(stepping) \
+    X(stats) X(cap_query) X(cap_arg) X(launcher) X(handle) X(carry_max) X(flush_mode) \
+    X(mapped_max) X(check_mod) X(graph_cap)
+
+GC_FIELDS(copiercore, CopierCore, COPIER_FIELDS)
+
+
+static PyObject *s_check_mode;
+static PyTypeObject CopierCoreType;
+
+/* 1: not capturing; 0: capturing, or cannot tell (the Python path asks again); -1: a
+ * BaseException raised by the query (propagated). With
+ * the launcher's own capture query and a raw stream handle, straight from C (the same
+ * query as cap_query, the Driver's is_capturing, without a Python call). L: the
+ * copier's launcher when the caller has it already, else NULL (looked up here). */
+static int not_capturing(CopierCore *c, CarriedLauncher *L) {
+    if (!c->cap_query || c->cap_query == Py_None || !c->cap_arg) return 0;
+    if (c->handle == c->cap_arg && !L && c->launcher && PyCapsule_CheckExact(c->launcher)) {
+        L = PyCapsule_GetPointer(c->launcher, LAUNCHER_NAME);
+        if (!L) PyErr_Clear();
+    }
+    unsigned long long stream;
+    if (L && c->handle == c->cap_arg && L->abi == LAUNCHER_ABI && L->capturing &&
+        u64_field(c->handle, &stream)) {
+        int status = -1;
+        return L->capturing(L->drv, stream, &status) == 0 && status == 0;
+    }
+    PyObject *st = PyObject_CallOneArg(c->cap_query, c->cap_arg);
+    if (!st) return soft_clear(); /* 0 (the Python path asks again), or -1 */
+    int idle = st == Py_False;
+    if (!idle && PyLong_CheckExact(st)) {
+        int overflow;
+        idle = PyLong_AsLongLongAndOverflow(st, &overflow) == 0 && !overflow;
+        PyErr_Clear();
+    }
+    Py_DECREF(st);
+    return idle;
+}
+
+/* 1: no step is open, or the open one is thread me's (as the Python
+ * ``not (c._in_step and c._owner != me)``); 0: another thread's, or not plain fields */
+static int step_is_callers(CopierCore *c, uint64_t me) {
+    if (c->in_step == Py_False) return 1;
+    if (c->in_step != Py_True || !c->owner || !PyLong_CheckExact(c->owner)) return 0;
+    unsigned long long owner = PyLong_AsUnsignedLongLong(c->owner);
+    if (PyErr_Occurred()) {
+        PyErr_Clear();
+        return 0;
+    }
+    return owner == me;
+}
+
+static int64_t nt_from_for(CopierCore *c);
+
+static PyObject *copiercore_begin_fast(CopierCore *c, PyObject *unused) {
+    if (c->closed != Py_False || !c->seg || Py_TYPE(c->seg) != &SegmentType ||
+        c->checker != Py_None || !c->ring || !PyObject_TypeCheck(c->ring, &RingCoreType) ||
+        !c->stats)
+        Py_RETURN_FALSE;
+    uint64_t me = thread_id();
+    if (!step_is_callers(c, me)) Py_RETURN_FALSE;
+    Segment *seg = (Segment *)c->seg;
+    if (nstaged(seg)) Py_RETURN_FALSE; /* staged: flushed first */
+    if (!c->check_mod) Py_RETURN_FALSE;
+    PyObject *mode = PyObject_GetAttr(c->check_mod, s_check_mode);
+    if (!mode) {
+        if (soft_clear() < 0) return NULL;
+        Py_RETURN_FALSE;
+    }
+    Py_DECREF(mode);
+    if (mode != Py_False) Py_RETURN_FALSE;
+    int idle = not_capturing(c, NULL);
+    if (idle < 0) return NULL;
+    if (!idle) Py_RETURN_FALSE;
+    long long cap_for, cap;
+    if (!c->tables || !c->cap_for || !c->cap || !int_field(c->cap_for, &cap_for) ||
+        !int_field(c->cap, &cap)) {
+        PyErr_Clear();
+        Py_RETURN_FALSE;
+    }
+    long long cap_for0 = cap_for, cap0 = cap;
+    PyObject *slot;
+    int adv = ring_advance((RingCore *)c->ring, c->seg, c->tables, &cap_for, &cap, &slot);
+    if (adv < 0) {
+        /* the ring took its step but binding failed: as begin() leaves it */
+        Py_SETREF(c->in_step, Py_NewRef(Py_False));
+        seg->fast = 0;
+        Py_SETREF(c->feed, Py_NewRef(Py_None));
+        Py_SETREF(c->feed_pending, Py_NewRef(Py_None));
+        Py_SETREF(c->capturing, Py_NewRef(Py_False));
+        Py_SETREF(c->slot, Py_NewRef(Py_None));
+        seg_release(seg);
+        seg->seg = -1;
+        seg->cursor = 0;
+        return NULL;
+    }
+    if (adv == 0) Py_RETURN_FALSE;
+    /* the step is open from here: the fields as DeviceCopier._advance sets them */
+    PyObject *owner = PyLong_FromUnsignedLongLong(me);
+    if (!owner) return NULL;
+    if (cap_for != cap_for0 || cap != cap0) { /* a slot of another size (rare) */
+        PyObject *f = PyLong_FromLongLong(cap_for), *k = f ? PyLong_FromLongLong(cap) : NULL;
+        if (!k) {
+            Py_XDECREF(f);
+            Py_DECREF(owner);
+            return NULL;
+        }
+        Py_SETREF(c->cap_for, f);
+        Py_SETREF(c->cap, k);
+    }
+    seg->nt_from = nt_from_for(c);
+    c->n_steps++; /* stats.steps += 1, folded when stats is read */
+    Py_SETREF(c->slot, Py_NewRef(slot));
+    Py_SETREF(c->feed, Py_NewRef(Py_None));
+    Py_SETREF(c->feed_pending, Py_NewRef(Py_None));
+    Py_SETREF(c->capturing, Py_NewRef(Py_False));
+    Py_SETREF(c->owner, owner);
+    Py_SETREF(c->in_step, Py_NewRef(Py_True));
+    seg->fast = 1;
+    seg->owner = me;
+    c->fast_begins++;
+    Py_RETURN_TRUE;
+}
+
+/* stats.modes[how] += 1, stats.segments += 1, stats.bytes_staged += total: counted
+ * here, folded into stats when it is read (CopyStats.pending_totals) */
+static PyObject *s_inline, *s_mapped, *s_auto, *s_dma;
+static int nt_off; /* CUCOPY_NO_NT set at import: no streaming stores */
+
+/* The copier's flush mode: one of the interned literals unless set from another
+ * string (then compared character by character). */
+enum { MODE_OTHER, MODE_AUTO, MODE_INLINE, MODE_MAPPED, MODE_DMA };
+static int flush_mode_kind(PyObject *fm) {
+    if (fm == s_auto) return MODE_AUTO;
+    if (fm == s_inline) return MODE_INLINE;
+    if (fm == s_mapped) return MODE_MAPPED;
+    if (fm == s_dma) return MODE_DMA;
+    if (!fm || !PyUnicode_Check(fm)) return MODE_OTHER;
+    if (!PyUnicode_CompareWithASCIIString(fm, "auto")) return MODE_AUTO;
+    if (!PyUnicode_CompareWithASCIIString(fm, "inline")) return MODE_INLINE;
+    if (!PyUnicode_CompareWithASCIIString(fm, "mapped")) return MODE_MAPPED;
+    if (!PyUnicode_CompareWithASCIIString(fm, "dma")) return MODE_DMA;
+    return MODE_OTHER;
+}
+
+/* DeviceCopier._nt_from: where the step's segments start staging with streaming stores.
+ * mapped and dma: the GPU reads all of a segment; auto and inline: what lies past the
+ * largest carry (the rest may travel in a launch, which the driver copies on the host). */
+static int64_t nt_from_for(CopierCore *c) {
+    if (nt_off) return -1;
+    int kind = flush_mode_kind(c->flush_mode);
+    if (kind == MODE_MAPPED || kind == MODE_DMA) return 0;
+    long long cm;
+    if (kind == MODE_OTHER || !c->carry_max || !int_field(c->carry_max, &cm)) {
+        PyErr_Clear();
+        return -1;
+    }
+    return cm;
+}
+
+static void count_segment(CopierCore *c, PyObject *how, int64_t total) {
+    c->n_segments++;
+    c->n_bytes += total;
+    if (how == s_inline) c->n_inline++;
+    else c->n_mapped++;
+}
+
+static PyObject *copiercore_take_counts(CopierCore *c, PyObject *unused) {
+    PyObject *r = Py_BuildValue("(LLLLL)", c->n_steps, c->n_segments, c->n_bytes, c->n_inline,
+                                c->n_mapped);
+    if (r) c->n_steps = c->n_segments = c->n_bytes = c->n_inline = c->n_mapped = 0;
+    return r;
+}
+
+static PyObject *copiercore_flush_fast(CopierCore *c, PyObject *unused) {
+    if (c->closed != Py_False || !c->seg || Py_TYPE(c->seg) != &SegmentType ||
+        c->checker != Py_None || !c->ring || !PyObject_TypeCheck(c->ring, &RingCoreType) ||
+        !step_is_callers(c, thread_id()))
+        Py_RETURN_FALSE;
+    Segment *seg = (Segment *)c->seg;
+    RingCore *ring = (RingCore *)c->ring;
+    if (!nstaged(seg)) {
+        /* nothing staged and no event owed (a step whose every copy was skipped as
+         * unchanged): flush()'s body would return at once, so return here */
+        PyObject *cur = ring->current;
+        if (!cur || cur == Py_None ||
+            (PyObject_TypeCheck(cur, &SlotCoreType) && ((SlotCore *)cur)->dirty == Py_False))
+            Py_RETURN_TRUE;
+        Py_RETURN_FALSE;
+    }
+    if (!c->launcher || !PyCapsule_CheckExact(c->launcher) || !c->handle || !c->carry_max ||
+        !c->slot || !PyObject_TypeCheck(c->slot, &SlotCoreType) || !c->stats)
+        Py_RETURN_FALSE;
+    /* carried whole when it fits (inline, auto); else read mapped (mapped, auto) */
+    int kind = flush_mode_kind(c->flush_mode);
+    int carries = kind == MODE_AUTO || kind == MODE_INLINE;
+    int mapped_only = kind == MODE_MAPPED;
+    int is_auto = kind == MODE_AUTO;
+    if (!carries && !mapped_only) Py_RETURN_FALSE;
+    SlotCore *slot = (SlotCore *)c->slot;
+    if (!seg->bound || seg->slot != c->slot || !slot->base) Py_RETURN_FALSE;
+    CarriedLauncher *L = PyCapsule_GetPointer(c->launcher, LAUNCHER_NAME);
+    unsigned long long stream, dev;
+    long long inline_max;
+    if (!L || !u64_field(c->handle, &stream) || !int_field(c->carry_max, &inline_max) ||
+        !u64_field(slot->base, &dev)) {
+        PyErr_Clear();
+        Py_RETURN_FALSE;
+    }
+    /* a mapped launch needs the slot's event recorded after it, from C */
+    long long mapped_max = -1;
+    unsigned long long event = 0;
+    CarriedLauncher *E = L->abi == LAUNCHER_ABI && L->record && L->query ? L : NULL;
+    if (E && c->mapped_max && int_field(c->mapped_max, &mapped_max) &&
+        ring->current == c->slot && ring->events && PyList_CheckExact(ring->events)) {
+        long long index;
+        if (!int_field(ring->index, &index) || index < 0 ||
+            index >= PyList_GET_SIZE(ring->events) ||
+            !u64_field(PyList_GET_ITEM(ring->events, index), &event))
+            mapped_max = -1;
+    } else {
+        mapped_max = -1;
+    }
+    PyErr_Clear();
+    if (mapped_only && mapped_max < 0) Py_RETURN_FALSE;
+    int idle = not_capturing(c, L);
+    if (idle < 0) return NULL;
+    if (!idle) Py_RETURN_FALSE;
+    /* from here on as _flush_segment: an error is flush()'s to report (the segment cut) */
+    int64_t off, end, nblocks;
+    Py_ssize_t n;
+    if (cut_impl(seg, carries ? inline_max : -1, &off, &end, &nblocks, &n) < 0) return NULL;
+    int64_t total = end - off, head = HEADER_BYTES + (int64_t)n * DESC_BYTES;
+    PyObject *how;
+    long long gcap = 0;
+    if (mapped_max >= 0 && (mapped_only || (is_auto && total <= mapped_max)) && E->graphed &&
+        c->graph_cap &&
+        int_field(c->graph_cap, &gcap) && gcap > 0 && (size_t)gcap <= E->graph_cap &&
+        total <= gcap && off + gcap <= (int64_t)seg->view.len && off + gcap <= seg->top) {
+        /* _land's graphed launch (mapped, and auto: half a carried launch's host
+         * time): its kernel reads gcap bytes at the segment when it runs, so the
+         * slot's next segment starts past them */
+        if (E->graphed(E->drv, stream, dev + (unsigned long long)off) != 0) goto cut;
+        if (seg->cursor < off + gcap) seg->cursor = off + gcap;
+        how = s_mapped;
+        Py_SETREF(slot->dirty, Py_NewRef(Py_True));
+    } else if (carries && total <= inline_max) {
+        if (launch_carried(seg, L, nblocks, stream, dev + (unsigned long long)off, total) != 0)
+            goto cut;
+        how = s_inline; /* carried whole: no event needed for it */
+    } else if (mapped_max >= 0 && head <= inline_max &&
+               (mapped_only || total <= mapped_max)) {
+        /* _land's mapped launch carrying the header and the table (head <= the largest
+         * carry); the uncarried kernel's case stays _land's */
+        if (launch_carried(seg, L, nblocks, stream, dev + (unsigned long long)off,
+                           align_up(head, ALIGN)) != 0)
+            goto cut;
+        how = s_mapped;
+        /* the launch reads the slot when it runs: its event follows it */
+        Py_SETREF(slot->dirty, Py_NewRef(Py_True));
+    } else {
+        goto cut;
+    }
+    count_segment(c, how, total);
+    PyObject *f = seg_finish(seg, NULL);
+    if (!f) return NULL;
+    Py_DECREF(f);
+    c->fast_flushes++;
+    if (how == s_mapped && slot->dirty == Py_True &&
+        E->record(E->drv, event, stream) == 0) { /* StagingRing.record */
+        Py_SETREF(slot->recorded, Py_NewRef(Py_True));
+        Py_SETREF(slot->dirty, Py_NewRef(Py_False));
+        long long acquires, index;
+        if (int_field(ring->acquires, &acquires) && int_field(ring->index, &index)) {
+            slot->stamp = acquires;
+            ring->newest = index;
+            ring->newest_stamp = acquires;
+        } else { /* cannot happen (checked above); forget what is known, to be safe */
+            PyErr_Clear();
+            slot->stamp = -1;
+            ring->newest = -1;
+            ring->certified = -1;
+        }
+    }
+    /* the slot dirtied in the step (an eager copy, or a record that failed):
+     * flush()'s body records it */
+    if (ring->current && PyObject_TypeCheck(ring->current, &SlotCoreType) &&
+        ((SlotCore *)ring->current)->dirty != Py_False)
+        Py_RETURN_FALSE;
+    Py_RETURN_TRUE;
+cut:
+    return Py_BuildValue("(LLLn)", (long long)off, (long long)end, (long long)nblocks, n);
+}
+
+static PyObject *core_seg(PyObject *self) {
+    /* the copier's class (a subclass: an MRO walk each time) remembered once seen; the
+     * reference keeps it alive, so no other type takes its address */
+    static PyTypeObject *known;
+    PyTypeObject *tp = Py_TYPE(self);
+    if (tp == known || tp == &CopierCoreType) return ((CopierCore *)self)->seg;
+    if (!PyType_IsSubtype(tp, &CopierCoreType)) return NULL;
+    Py_INCREF(tp);
+    Py_XSETREF(known, tp);
+    return ((CopierCore *)self)->seg;
+}
+
+static PyMethodDef copiercore_methods[] = {
+    {"_flush_fast", (PyCFunction)copiercore_flush_fast, METH_NOARGS,
+     "flush()'s common case: True when done, False for flush()'s Python body, or the cut "
+     "(seg, end, nblocks, n) of a segment it could not launch carried whole."},
+    {"_begin_fast", (PyCFunction)copiercore_begin_fast, METH_NOARGS,
+     "begin()'s common case: True when the step is open, False for begin()'s Python body "
+     "(nothing changed)."},
+    {"_take_counts", (PyCFunction)copiercore_take_counts, METH_NOARGS,
+     "(steps, segments, bytes_staged, inline, mapped) the fast paths counted since the "
+     "last call; zeroes them."},
+    {NULL},
+};
+
+#define MEMBER(name, f) {name, T_OBJECT_EX, offsetof(CopierCore, f), 0, NULL},
+static PyMemberDef copiercore_members[] = {
+    MEMBER("_closed", closed) MEMBER("_in_step", in_step) MEMBER("_owner", owner)
+    MEMBER("_seg", seg) MEMBER("_checker", checker) MEMBER("_feed", feed)
+    MEMBER("_feed_pending", feed_pending) MEMBER("_capturing", capturing)
+    MEMBER("_ring", ring) MEMBER("_slot", slot) MEMBER("_tables", tables)
+    MEMBER("_cap_for", cap_for) MEMBER("_cap", cap) MEMBER("_stepping", stepping)
+    MEMBER("stats", stats) MEMBER("_cap_query", cap_query) MEMBER("_cap_arg", cap_arg)
+    MEMBER("_launcher", launcher) MEMBER("_handle", handle) MEMBER("_carry_max", carry_max)
+    MEMBER("_mapped_max", mapped_max) MEMBER("_graph_cap", graph_cap)
+    MEMBER("flush_mode", flush_mode) MEMBER("_check_mod", check_mod)
+    {"_fast_begins", T_LONGLONG, offsetof(CopierCore, fast_begins), READONLY,
+     "Steps begun by _begin_fast."},
+    {"_fast_flushes", T_LONGLONG, offsetof(CopierCore, fast_flushes), READONLY,
+     "Segments landed by _flush_fast."},
+    {"_step_ctx", T_LONGLONG, offsetof(CopierCore, step_ctx), READONLY,
+     "The Context (its address) the open step() block was entered in; 0: none."},
+    {"_step_seq", T_LONGLONG, offsetof(CopierCore, step_seq), READONLY,
+     "The open step() block's sequence number (the innermost step has the largest)."},
+    {NULL},
+};
+#undef MEMBER
+
+static PyTypeObject CopierCoreType = CORE_TYPE(copiercore, CopierCore, copiercore_methods,
+    "The copier's per-step fields and begin()'s common case (compiled twin of "
+              "cucopy.copier.PyCopierCore).");
+
+/* -- StepCore: what DeviceCopier.step() returns, its common case compiled ----------
+ *
+ * ``cucopy.copier._Step`` subclasses it (``copier.PyStepCore`` is the Python twin).
+ * ``__enter__`` of a plain step opens it with ``_begin_fast`` when that takes it,
+ * ``__exit__`` of a step that raised nothing calls ``flush()`` and closes the step;
+ * anything else (a graph step, an exception, a nested or foreign step, a begin the
+ * fast path declines) goes to ``_Step._enter`` / ``_exit``, the Python bodies. */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *copier, *graph;
+} StepCore;
+
+#define STEP_FIELDS(X) X(copier) X(graph)
+GC_FIELDS(stepcore, StepCore, STEP_FIELDS)
+
+static int stepcore_init(StepCore *st, PyObject *args, PyObject *kw) {
+    PyObject *copier, *graph = Py_None;
+    static char *kwlist[] = {"copier", "graph", NULL};
+    Py_ssize_t n = PyTuple_GET_SIZE(args);
+    if (!kw && (n == 1 || n == 2)) { /* step()'s own call: no argument parsing */
+        copier = PyTuple_GET_ITEM(args, 0);
+        if (n == 2) graph = PyTuple_GET_ITEM(args, 1);
+    } else if (!PyArg_ParseTupleAndKeywords(args, kw, "O|O:_Step", kwlist, &copier, &graph)) {
+        return -1;
+    }
+    Py_XSETREF(st->copier, Py_NewRef(copier));
+    Py_XSETREF(st->graph, Py_NewRef(graph));
+    return 0;
+}
+
+static PyObject *s_enter, *s_exit, *s_flush, *s_begin, *s_flush_failed, *s_flush_rest;
+static PyObject *plain_begin; /* DeviceCopier.begin: a subclass that overrides it is called */
+static PyObject *plain_flush; /* DeviceCopier.flush: likewise */
+
+static PyObject *stepcore_plain_begin(PyObject *type, PyObject *func) {
+    Py_XSETREF(plain_begin, Py_NewRef(func));
+    Py_RETURN_NONE;
+}
+
+static PyObject *stepcore_plain_flush(PyObject *type, PyObject *func) {
+    Py_XSETREF(plain_flush, Py_NewRef(func));
+    Py_RETURN_NONE;
+}
+
+/* -- a step activates its copier (issue 30: no silent bypass) -----------------------
+ * For the block's duration the copier is the one cucopy.copy routes to in the
+ * context the step was entered in. Setting the context variable cucopy.copy reads
+ * costs ~1.4k instructions a step (PyContextVar_Set + Reset: a HAMT node and a
+ * token), so the step records its context instead (the thread state's current
+ * Context object, and a sequence number: the innermost step wins), a few
+ * instructions; cucopy.copy's Python fallback, taken only when no copier is
+ * activated, finds the copier by it (copier._step_copier). */
+static long long step_counter;
+
+#if PY_VERSION_HEX >= 0x030D0000
+#define CUCOPY_TSTATE() PyThreadState_GetUnchecked()
+#else
+#define CUCOPY_TSTATE() _PyThreadState_UncheckedGet()
+#endif
+
+/* the calling thread's current Context object (made now if it has none yet), or NULL
+ * with an exception set */
+static PyObject *current_context(void) {
+    PyThreadState *ts = CUCOPY_TSTATE(); /* (never NULL: the caller holds the GIL) */
+    if (!ts->context) {
+        PyObject *copy = PyContext_CopyCurrent(); /* makes the thread's context */
+        if (!copy) return NULL;
+        Py_DECREF(copy);
+    }
+    return ts->context;
+}
+
+static PyObject *mod_context_id(PyObject *m, PyObject *unused) {
+    PyObject *ctx = current_context();
+    return ctx ? PyLong_FromVoidPtr(ctx) : NULL;
+}
+
+/* flush() of copier c: DeviceCopier.flush's body with its _flush_fast called from here
+ * (one Python frame less a step), or the copier's own flush() when a subclass has one */
+static PyObject *step_flush(CopierCore *c) {
+    PyObject *o = (PyObject *)c;
+    if (!plain_flush || _PyType_Lookup(Py_TYPE(o), s_flush) != plain_flush)
+        return PyObject_CallMethodNoArgs(o, s_flush);
+    PyObject *done = copiercore_flush_fast(c, NULL);
+    if (!done) {
+        /* flush(): except BaseException as exc: self._flush_failed(exc) (raises) */
+        PyObject *tp, *exc, *tb;
+        PyErr_Fetch(&tp, &exc, &tb);
+        PyErr_NormalizeException(&tp, &exc, &tb);
+        if (tb && exc) PyException_SetTraceback(exc, tb);
+        Py_XDECREF(tp);
+        Py_XDECREF(tb);
+        if (!exc) return NULL; /* (no exception after all: cannot happen) */
+        PyObject *r = PyObject_CallMethodOneArg(o, s_flush_failed, exc);
+        Py_DECREF(exc);
+        Py_XDECREF(r);
+        if (r) {
+            PyErr_SetString(PyExc_SystemError, "_flush_failed() returned");
+        }
+        return NULL;
+    }
+    if (done == Py_True) return done;
+    PyObject *r = PyObject_CallMethodOneArg(o, s_flush_rest, done);
+    Py_DECREF(done);
+    return r;
+}
+
+static PyObject *stepcore_enter(StepCore *st, PyObject *unused) {
+    PyObject *ctx = current_context();
+    if (!ctx) return NULL;
+    PyObject *o = st->copier;
+    if (o && st->graph == Py_None && PyObject_TypeCheck(o, &CopierCoreType) && plain_begin &&
+        _PyType_Lookup(Py_TYPE(o), s_begin) == plain_begin) {
+        CopierCore *c = (CopierCore *)o;
+        if (c->stepping == Py_False && c->closed == Py_False) {
+            Py_INCREF(o); /* held: begin runs Python code on some backends */
+            PyObject *r = copiercore_begin_fast(c, NULL);
+            if (!r) {
+                Py_DECREF(o);
+                return NULL;
+            }
+            Py_DECREF(r);
+            if (r == Py_True) {
+                Py_SETREF(c->stepping, Py_NewRef(Py_True));
+                c->step_ctx = (long long)(uintptr_t)ctx; /* the block's context */
+                c->step_seq = ++step_counter;
+                return o; /* (the reference held above) */
+            }
+            Py_DECREF(o);
+        }
+    }
+    PyObject *r = PyObject_CallMethodNoArgs((PyObject *)st, s_enter);
+    if (r && o && PyObject_TypeCheck(o, &CopierCoreType)) {
+        ((CopierCore *)o)->step_ctx = (long long)(uintptr_t)ctx;
+        ((CopierCore *)o)->step_seq = ++step_counter;
+    }
+    return r;
+}
+
+static PyObject *stepcore_exit(StepCore *st, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "__exit__(type, value, traceback)");
+        return NULL;
+    }
+    PyObject *o = st->copier;
+    int core = o && PyObject_TypeCheck(o, &CopierCoreType);
+    /* another thread's exit: _exit refuses it, leaving the owner's step as it is */
+    int foreign = core && !step_is_callers((CopierCore *)o, thread_id());
+    if (args[0] != Py_None || st->graph != Py_None || !core || foreign ||
+        !((CopierCore *)o)->seg || Py_TYPE(((CopierCore *)o)->seg) != &SegmentType) {
+        if (core && !foreign) ((CopierCore *)o)->step_ctx = 0; /* the block ends */
+        return PyObject_VectorcallMethod(
+            s_exit, (PyObject *[]){(PyObject *)st, args[0], args[1], args[2]}, 4, NULL);
+    }
+    CopierCore *c = (CopierCore *)Py_NewRef(o); /* held: flush() runs Python code */
+    c->step_ctx = 0;
+    Py_SETREF(c->stepping, Py_NewRef(Py_False));
+    PyObject *r = step_flush(c);
+    /* finally: the step is over, whatever flush() did (its segment read again: that
+     * code may have replaced it) */
+    Py_SETREF(c->in_step, Py_NewRef(Py_False));
+    if (c->seg && Py_TYPE(c->seg) == &SegmentType) ((Segment *)c->seg)->fast = 0;
+    Py_DECREF(c);
+    if (!r) return NULL;
+    Py_DECREF(r);
+    Py_RETURN_FALSE;
+}
+
+static PyMethodDef stepcore_methods[] = {
+    {"_plain_begin", (PyCFunction)stepcore_plain_begin, METH_O | METH_CLASS,
+     "_plain_begin(DeviceCopier.begin): __enter__'s compiled path runs only for a copier "
+     "whose begin() is this one (a subclass's own begin() is called)."},
+    {"_plain_flush", (PyCFunction)stepcore_plain_flush, METH_O | METH_CLASS,
+     "_plain_flush(DeviceCopier.flush): __exit__ calls _flush_fast itself only for a "
+     "copier whose flush() is this one (a subclass's own flush() is called)."},
+    {"__enter__", (PyCFunction)stepcore_enter, METH_NOARGS, "begin(); the copier."},
+    {"__exit__", (PyCFunction)(void (*)(void))stepcore_exit, METH_FASTCALL,
+     "flush(), or discard() on an exception; False."},
+    {NULL},
+};
+
+static PyMemberDef stepcore_members[] = {
+    {"_copier", T_OBJECT_EX, offsetof(StepCore, copier), 0, NULL},
+    {"_graph", T_OBJECT_EX, offsetof(StepCore, graph), 0, NULL},
+    {NULL},
+};
+
+static PyTypeObject StepCoreType = CORE_TYPE(stepcore, StepCore, stepcore_methods,
+    "What DeviceCopier.step() returns, its common case compiled (twin of "
+    "cucopy.copier.PyStepCore).");
+
+/* -- Activation: what DeviceCopier.activate() returns, compiled ---------------------
+ * The active copier is a context variable (cucopy.copy routes through it); entering
+ * sets it, leaving resets it to what it was. Twin of cucopy.copier._PyActivation. */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *copier, *var, *token;
+} Activation;
+
+#define ACTIVATION_FIELDS(X) X(copier) X(var) X(token)
+GC_FIELDS(activation, Activation, ACTIVATION_FIELDS)
+
+static int activation_init(Activation *a, PyObject *args, PyObject *kw) {
+    PyObject *copier, *var;
+    if (!PyArg_ParseTuple(args, "OO:Activation", &copier, &var)) return -1;
+    if (!PyContextVar_CheckExact(var)) {
+        PyErr_SetString(PyExc_TypeError, "Activation(copier, var): var is a ContextVar");
+        return -1;
+    }
+    Py_XSETREF(a->copier, Py_NewRef(copier));
+    Py_XSETREF(a->var, Py_NewRef(var));
+    Py_CLEAR(a->token);
+    return 0;
+}
+
+static PyObject *activation_enter(Activation *a, PyObject *unused) {
+    if (!a->var || !a->copier) {
+        PyErr_SetString(PyExc_RuntimeError, "Activation: not initialized");
+        return NULL;
+    }
+    PyObject *token = PyContextVar_Set(a->var, a->copier);
+    if (!token) return NULL;
+    Py_XSETREF(a->token, token);
+    return Py_NewRef(a->copier);
+}
+
+static PyObject *activation_exit(Activation *a, PyObject *const *args, Py_ssize_t nargs) {
+    PyObject *token = a->token;
+    a->token = NULL;
+    if (token) {
+        int r = PyContextVar_Reset(a->var, token);
+        Py_DECREF(token);
+        if (r < 0) return NULL;
+    }
+    Py_RETURN_FALSE;
+}
+
+static PyMethodDef activation_methods[] = {
+    {"__enter__", (PyCFunction)activation_enter, METH_NOARGS, "Activate; the copier."},
+    {"__exit__", (PyCFunction)(void (*)(void))activation_exit, METH_FASTCALL,
+     "Restore the copier active before; False."},
+    {NULL},
+};
+
+static PyMemberDef activation_members[] = {{NULL}};
+
+static PyTypeObject ActivationType = CORE_TYPE(activation, Activation, activation_methods,
+    "What DeviceCopier.activate() returns (compiled twin of cucopy.copier._PyActivation).");
+
+static PyObject *mod_native_word_reads(PyObject *m, PyObject *unused) {
+    return PyLong_FromLongLong(native_word_reads);
+}
+
+static PyObject *mod_thread_id(PyObject *m, PyObject *unused) {
+    return PyLong_FromUnsignedLongLong(thread_id());
+}
+
+static PyMethodDef module_methods[] = {
+    {"thread_id", mod_thread_id, METH_NOARGS,
+     "The calling thread's id for step ownership: never reused by a later thread "
+     "(twin of cucopy.segment.py_thread_id)."},
+    {"_context_id", mod_context_id, METH_NOARGS,
+     "The calling thread's current Context object's address (steps record theirs)."},
+    {"_native_word_reads", mod_native_word_reads, METH_NOARGS,
+     "Cached tensors validated through the handle word they hold (native_word), so far."},
+    {NULL},
+};

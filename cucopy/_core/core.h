@@ -1,0 +1,95 @@
+/* The compiled core's common ground: includes, the wire format's constants, the
+ * outcomes a copy call reports, and the few helpers every concept uses.
+ */
+#ifndef CUCOPY_CORE_H
+#define CUCOPY_CORE_H
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <pythread.h>
+#include <structmember.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__SSE2__) || defined(_M_X64)
+#include <emmintrin.h>
+#define CUCOPY_NT 1
+#else
+#define CUCOPY_NT 0
+#endif
+#include "../_carried_launcher.h"
+
+#define HEADER_BYTES 32
+#define DESC_BYTES 48
+#define ALIGN 16
+#define MAGIC 0x59504343u
+#define VERSION 1
+#define KIND_H2D 1
+#define KIND_H2D_2D 2
+#define KIND_D2D 3
+#define KIND_FILL 4
+#define WINDOWS_PER_BLOCK 256
+#define BLOCK_BYTES (WINDOWS_PER_BLOCK * 16)
+#define DCACHE_MAX 4096
+#define MAXDIM 16 /* dimensions of a shape the fast path compares */
+_Static_assert(sizeof(Py_ssize_t) == sizeof(int64_t), "shapes are compared as int64_t");
+#define MAX_FIELD 0xFFFFFFFFLL /* pack.MAX_FIELD: a descriptor's 32-bit fields */
+
+enum { MISS = 0, STAGED = 1, BARRIER = 2, FULL = -1, ORDER = -2 };
+
+
+/* An error raised by Python code the fast path called (a fingerprint, an attribute
+ * of the documented view protocol): an Exception is a miss (cleared, 0; the general
+ * path asks again and reports it), anything else (KeyboardInterrupt, SystemExit)
+ * stays set and is propagated (-1), as the pure-Python twin propagates it. */
+static inline int soft_clear(void) {
+    if (!PyErr_Occurred() || PyErr_ExceptionMatches(PyExc_Exception)) {
+        PyErr_Clear();
+        return 0;
+    }
+    return -1;
+}
+
+/* The calling thread's identity for step ownership: the thread state's id, which,
+ * unlike the thread ident, is never reused by a later thread (twin:
+ * cucopy.segment.thread_id). */
+static inline uint64_t thread_id(void) {
+    return PyThreadState_GetID(PyThreadState_Get());
+}
+
+/* tp_dealloc of a GC type whose tp_clear releases every field it holds */
+static void cleared_dealloc(PyObject *o) {
+    PyObject_GC_UnTrack(o);
+    Py_TYPE(o)->tp_clear(o);
+    Py_TYPE(o)->tp_free(o);
+}
+
+static PyObject *s_dtype, *s_spec, *s_view;
+
+static inline int64_t align_up(int64_t n, int64_t a) { return (n + a - 1) & -a; }
+
+/* traverse and clear of a type whose fields an X-macro lists */
+#define VISIT_FIELD(f) Py_VISIT(o->f);
+#define CLEAR_FIELD(f) Py_CLEAR(o->f);
+#define GC_FIELDS(prefix, T, FIELDS)                                      \
+    static int prefix##_traverse(T *o, visitproc visit, void *arg) {     \
+        FIELDS(VISIT_FIELD)                                               \
+        return 0;                                                         \
+    }                                                                     \
+    static int prefix##_clear(T *o) {                                     \
+        FIELDS(CLEAR_FIELD)                                               \
+        return 0;                                                         \
+    }
+
+/* the type of a base class whose fields GC_FIELDS lists (Python subclasses it) */
+#define CORE_TYPE(prefix, T, methods, doc)                                   \
+    {                                                                        \
+        PyVarObject_HEAD_INIT(NULL, 0)                                       \
+        .tp_name = "cucopy._segment." #T, .tp_basicsize = sizeof(T),         \
+        .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC, \
+        .tp_doc = doc, .tp_traverse = (traverseproc)prefix##_traverse,       \
+        .tp_clear = (inquiry)prefix##_clear, .tp_dealloc = cleared_dealloc,  \
+        .tp_members = prefix##_members, .tp_methods = methods,               \
+        .tp_new = PyType_GenericNew,                                         \
+    }
+
+#endif
