@@ -179,6 +179,9 @@ done
 # modes): its counts against what the programs issue, its estimate beside the routed result
 step profile_programs 150 "$PY" bench/profile_programs.py --out "$work/bench/profile_programs"
 
+# what each read of NumPy's and torch's internals saves a merged step (public path / read)
+step foreign_reads 150 "$PY" bench/probes/foreign_reads.py
+
 # before/after on this host, alternating processes (AB_BASE: a tree of the base commit;
 # its extension is built here): a merged step from NumPy and from pinned torch sources
 if [[ -n ${AB_BASE:-} ]]; then

@@ -172,7 +172,6 @@ typedef struct {
     PyObject_HEAD
     PyObject *full, *rest, *var; /* the Python update, _update, the active-copier variable */
     PyObject *prefix;            /* the record key of prefix updates, (None, None) */
-    Py_hash_t prefix_hash;
     PyTypeObject *rectype;       /* buffer._Update: its slots read at their offsets */
     Py_ssize_t off_data, off_owned;
     vectorcallfunc vectorcall;
@@ -191,15 +190,13 @@ static inline PyObject *rec_slot(FastUpdate *f, PyObject *rec, Py_ssize_t off, P
 static Py_ssize_t slot_offset(PyTypeObject *tp, const char *name) {
     PyObject *n = PyUnicode_FromString(name);
     if (!n) return -1;
-    PyObject *d = _PyType_Lookup(tp, n); /* borrowed */
+    PyObject *d = type_lookup(tp, n); /* borrowed */
     Py_DECREF(n);
     if (!d || !Py_IS_TYPE(d, &PyMemberDescr_Type)) return 0;
     PyMemberDef *m = ((PyMemberDescrObject *)d)->d_member;
     return m->type == T_OBJECT_EX && !(m->flags & READONLY) ? m->offset : 0;
 }
 
-static PyObject *s_force, *s_viewkw, *s_key, *s_exact, *s_data, *s_owned, *s_invalidate;
-static PyObject *uint8_descr; /* numpy.dtype("uint8") */
 
 /* the object a weak reference refers to (borrowed; NULL when dead) */
 static inline PyObject *weak_target(PyObject *ref) {
@@ -263,7 +260,7 @@ HOT_INLINE int host_bytes(PyObject *host, Cached *sc, Py_ssize_t fitem, const ch
 /* a record's bytes: an exact 1-D C-contiguous uint8 array (its length in *len) */
 HOT_INLINE int record_bytes(PyObject *data, Py_ssize_t *len) {
     NpArray *d = (NpArray *)data;
-    if ((PyObject *)Py_TYPE(data) != ndarray_type || d->nd != 1 || d->descr != uint8_descr ||
+    if ((PyObject *)Py_TYPE(data) != S->ndarray_type || !(S->foreign & FOREIGN_NUMPY) || d->nd != 1 || d->descr != S->uint8_descr ||
         !(d->flags & NPY_C_CONTIGUOUS_FLAG))
         return 0;
     *len = d->dimensions[0];
@@ -281,7 +278,7 @@ static PyObject *fastupdate_body(FastUpdate *f, BufSnap *k, PyObject *const *arg
         Py_ssize_t nk = PyTuple_GET_SIZE(kwnames);
         for (Py_ssize_t i = 0; i < nk; i++) {
             PyObject *kw = PyTuple_GET_ITEM(kwnames, i);
-            int at = kw == s_force ? 0 : kw == s_viewkw ? 1 : kw == s_key ? 2 : kw == s_exact ? 3 : -1;
+            int at = kw == S->s_force ? 0 : kw == S->s_viewkw ? 1 : kw == S->s_key ? 2 : kw == S->s_exact ? 3 : -1;
             if (at < 0 || at < nargs - 2) goto rest; /* unknown or repeated: Python says */
             opt[at] = args[nargs + i];
         }
@@ -320,7 +317,7 @@ static PyObject *fastupdate_body(FastUpdate *f, BufSnap *k, PyObject *const *arg
     int hnd;
     PyObject *hdtype;
     Cached *sc = NULL; /* held while its bytes are read */
-    if ((PyObject *)Py_TYPE(host) == ndarray_type) {
+    if ((PyObject *)Py_TYPE(host) == S->ndarray_type && (S->foreign & FOREIGN_NUMPY)) {
         hdtype = ((NpArray *)host)->descr;
     } else {
         sc = (Cached *)front_get(&s->sfront, s->scache, host);
@@ -338,11 +335,11 @@ static PyObject *fastupdate_body(FastUpdate *f, BufSnap *k, PyObject *const *arg
         }
     }
     /* the record (its slots read at their offsets: no Python for an exact _Update) */
-    PyObject *rec = _PyDict_GetItem_KnownHash(k->updates, f->prefix, f->prefix_hash);
+    PyObject *rec = PyDict_GetItemWithError(k->updates, f->prefix); /* (a str: hash kept) */
     if (!rec) { if (PyErr_Occurred()) goto fail_sc; goto rest_sc; }
     Py_INCREF(rec);
     if (Py_TYPE(rec) != f->rectype) snap_hold(k); /* its slots read by name: Python */
-    PyObject *data = rec_slot(f, rec, f->off_data, s_data);
+    PyObject *data = rec_slot(f, rec, f->off_data, S->s_data);
     if (!data) { Py_DECREF(rec); goto fail_sc; }
     Py_ssize_t hn;
     if (!record_bytes(data, &hn)) goto rest_rec;
@@ -379,12 +376,12 @@ static PyObject *fastupdate_body(FastUpdate *f, BufSnap *k, PyObject *const *arg
         !PyDict_CheckExact(k->fills) || PyDict_GET_SIZE(k->fills) != 0 || k->pn != n ||
         !k->pdst || !(d->flags & NPY_WRITEABLE_FLAG))
         goto rest_rec;
-    PyObject *owned = rec_slot(f, rec, f->off_owned, s_owned);
+    PyObject *owned = rec_slot(f, rec, f->off_owned, S->s_owned);
     if (!owned) goto fail_rec;
     Py_DECREF(owned);
     if (owned != Py_True) goto rest_rec;
     snap_hold(k); /* from here on Python code runs */
-    PyObject *drop = PyObject_GetAttr(self, s_invalidate);
+    PyObject *drop = PyObject_GetAttr(self, S->s_invalidate);
     if (!drop) goto fail_rec;
     int code = h2d_fast(s, k->fsite, k->pdst, host, drop, 0);
     Py_DECREF(drop);
@@ -403,7 +400,7 @@ static PyObject *fastupdate_body(FastUpdate *f, BufSnap *k, PyObject *const *arg
         if (r < 0) goto fail_rec;
     }
     if (code == BARRIER) {
-        PyObject *x = PyObject_CallMethodOneArg(k->copier, s_after_barrier, k->fsite);
+        PyObject *x = PyObject_CallMethodOneArg(k->copier, S->s_after_barrier, k->fsite);
         if (!x) goto fail_rec;
         Py_DECREF(x);
         if (keep && PyDict_SetItem(k->updates, f->prefix, rec) < 0) goto fail_rec;
@@ -447,8 +444,7 @@ static PyObject *fastupdate_new(PyTypeObject *tp, PyObject *args, PyObject *kw) 
         PyErr_SetString(PyExc_TypeError, "FastUpdate: expected a ContextVar");
         return NULL;
     }
-    Py_hash_t h = PyObject_Hash(prefix);
-    if (h == -1) return NULL;
+    if (PyObject_Hash(prefix) == -1) return NULL; /* (hashable: the look-ups need it) */
     Py_ssize_t off_data = slot_offset(rectype, "data"), off_owned = slot_offset(rectype, "owned");
     if (off_data < 0 || off_owned < 0) return NULL;
     FastUpdate *f = (FastUpdate *)tp->tp_alloc(tp, 0);
@@ -457,7 +453,6 @@ static PyObject *fastupdate_new(PyTypeObject *tp, PyObject *args, PyObject *kw) 
     f->rest = Py_NewRef(rest);
     f->var = Py_NewRef(var);
     f->prefix = Py_NewRef(prefix);
-    f->prefix_hash = h;
     f->rectype = (PyTypeObject *)Py_NewRef(rectype);
     f->off_data = off_data;
     f->off_owned = off_owned;
@@ -503,20 +498,6 @@ static int buffer_section_init(PyObject *m) {
     if (PyType_Ready(&BufferCoreType) < 0 || PyType_Ready(&SkipCountsType) < 0 ||
         PyType_Ready(&FastUpdateType) < 0)
         return -1;
-    s_force = PyUnicode_InternFromString("force");
-    s_viewkw = PyUnicode_InternFromString("view");
-    s_key = PyUnicode_InternFromString("key");
-    s_exact = PyUnicode_InternFromString("exact");
-    s_data = PyUnicode_InternFromString("data");
-    s_owned = PyUnicode_InternFromString("owned");
-    s_invalidate = PyUnicode_InternFromString("invalidate");
-    if (!s_force || !s_viewkw || !s_key || !s_exact || !s_data || !s_owned || !s_invalidate)
-        return -1;
-    PyObject *np = PyImport_ImportModule("numpy");
-    if (!np) return -1;
-    uint8_descr = PyObject_CallMethod(np, "dtype", "s", "uint8");
-    Py_DECREF(np);
-    if (!uint8_descr) return -1;
     if (PyModule_AddObjectRef(m, "BufferCore", (PyObject *)&BufferCoreType) < 0 ||
         PyModule_AddObjectRef(m, "SkipCounts", (PyObject *)&SkipCountsType) < 0 ||
         PyModule_AddObjectRef(m, "FastUpdate", (PyObject *)&FastUpdateType) < 0)

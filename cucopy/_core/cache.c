@@ -90,7 +90,7 @@ static PyObject *spec_descrs(PyObject *spec, PyTypeObject *tp) {
     if (!out) { PyErr_Clear(); return NULL; }
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *item = PyTuple_GET_ITEM(spec, i);
-        PyObject *d = _PyType_Lookup(tp, PyTuple_GET_ITEM(item, 0)); /* borrowed */
+        PyObject *d = type_lookup(tp, PyTuple_GET_ITEM(item, 0)); /* borrowed */
         int call = PyTuple_GET_ITEM(item, 1) == Py_True;
         if (!d || (call ? !PyCallable_Check(d) : !Py_TYPE(d)->tp_descr_get) ||
             (!call && !Py_TYPE(d)->tp_descr_set)) { /* a data descriptor, or give up */
@@ -133,7 +133,7 @@ static int cached_valid(Cached *c, PyObject *x) {
         void *impl = NULL;
         if (c->nat_word) {
             impl = native_word(c->nat, x);
-            native_word_reads++;
+            S->native_word_reads++;
         }
         if (!impl) {
             impl = native_handle(c->nat, c->ndescr, c->tp, x);
@@ -164,14 +164,13 @@ static int cached_valid(Cached *c, PyObject *x) {
     return eq;
 }
 
-static PyObject *s_flags; /* "__cucopy_flags__" */
 
 /* c->flags from fp's ``__cucopy_flags__`` (names of methods of tp that must return
  * False: their bits change what the bytes mean, and the native getters do not read
  * them): 0 resolved (or none declared), 1 not usable (the spec validates instead),
  * -1 with a BaseException set */
 static int native_flags(Cached *c, PyObject *fp, PyTypeObject *tp) {
-    PyObject *names = PyObject_GetAttr(fp, s_flags);
+    PyObject *names = PyObject_GetAttr(fp, S->s_flags);
     if (!names) return soft_clear() < 0 ? -1 : 0;
     int r = 1;
     if (PyTuple_Check(names)) {
@@ -215,7 +214,7 @@ static Cached *cached_new(PyObject *x, PyObject *fp, PyObject *dtype) {
     c->nat_word = 0;
     c->flags = NULL;
     c->dtype = Py_NewRef(dtype);
-    Native *nat = native_for(fp);
+    Native *nat = (S->foreign & FOREIGN_NATIVE) ? native_for(fp) : NULL;
     if (!nat && PyErr_Occurred()) { Py_DECREF(c); return NULL; }
     if (nat) {
         c->ndescr = native_descr(nat, Py_TYPE(x));
@@ -223,15 +222,16 @@ static Cached *cached_new(PyObject *x, PyObject *fp, PyObject *dtype) {
         void *impl = c->nval ? native_handle(nat, c->ndescr, Py_TYPE(x), x) : NULL;
         if (!impl && PyErr_Occurred()) { Py_DECREF(c); return NULL; }
         if (impl && native_geo(nat, impl, c->nval) &&
-            (nat->flag_off >= 0 || native_flags(c, fp, Py_TYPE(x)) == 0)) {
+            ((nat->flag_off >= 0 && (S->foreign & FOREIGN_FLAGWORD)) ||
+             native_flags(c, fp, Py_TYPE(x)) == 0)) {
             c->nat = nat; /* else the spec below validates it */
-            c->nat_word = nat->word_off >= 0 &&
+            c->nat_word = nat->word_off >= 0 && (S->foreign & FOREIGN_WORD) &&
                           Py_TYPE(x)->tp_basicsize >= nat->word_off + (Py_ssize_t)sizeof(void *) &&
                           native_word(nat, x) == impl;
         }
         if (PyErr_Occurred()) { Py_DECREF(c); return NULL; }
     }
-    PyObject *spec = PyObject_GetAttr(fp, s_spec);
+    PyObject *spec = PyObject_GetAttr(fp, S->s_spec);
     if (spec && PyTuple_Check(spec)) {
         c->spec = spec;
         c->fpval = spec_values(spec, x);

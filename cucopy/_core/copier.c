@@ -37,17 +37,23 @@ typedef struct {
     /* the Context its open step() block was entered in (0: none), and that step's
      * sequence number (see current_context) */
     long long step_ctx, step_seq;
+    /* which of begin(), flush() and copy() the copier's class leaves as DeviceCopier's
+     * (PLAIN_* bits, resolved once when the copier is made: copiercore_new): a class
+     * that overrides one has it called, never the compiled path */
+    int plain;
+    PyObject *fastcopy; /* the class's copy when it is a FastCopy (cucopy.copy calls it) */
 } CopierCore;
+#define PLAIN_BEGIN 1
+#define PLAIN_FLUSH 2
 
 #define COPIER_FIELDS(X) X(closed) X(in_step) X(owner) X(seg) X(checker) X(feed) \
     X(feed_pending) X(capturing) X(ring) X(slot) X(tables) X(cap_for) X(cap) X(stepping) \
     X(stats) X(cap_query) X(cap_arg) X(launcher) X(handle) X(carry_max) X(flush_mode) \
-    X(mapped_max) X(check_mod) X(graph_cap)
+    X(mapped_max) X(check_mod) X(graph_cap) X(fastcopy)
 
 GC_FIELDS(copiercore, CopierCore, COPIER_FIELDS)
 
 
-static PyObject *s_check_mode;
 static PyTypeObject CopierCoreType;
 
 /* 1: not capturing; 0: capturing, or cannot tell (the Python path asks again); -1: a
@@ -104,7 +110,7 @@ static PyObject *copiercore_begin_fast(CopierCore *c, PyObject *unused) {
     Segment *seg = (Segment *)c->seg;
     if (nstaged(seg)) Py_RETURN_FALSE; /* staged: flushed first */
     if (!c->check_mod) Py_RETURN_FALSE;
-    PyObject *mode = PyObject_GetAttr(c->check_mod, s_check_mode);
+    PyObject *mode = PyObject_GetAttr(c->check_mod, S->s_check_mode);
     if (!mode) {
         if (soft_clear() < 0) return NULL;
         Py_RETURN_FALSE;
@@ -166,17 +172,15 @@ static PyObject *copiercore_begin_fast(CopierCore *c, PyObject *unused) {
 
 /* stats.modes[how] += 1, stats.segments += 1, stats.bytes_staged += total: counted
  * here, folded into stats when it is read (CopyStats.pending_totals) */
-static PyObject *s_inline, *s_mapped, *s_auto, *s_dma;
-static int nt_off; /* CUCOPY_NO_NT set at import: no streaming stores */
 
 /* The copier's flush mode: one of the interned literals unless set from another
  * string (then compared character by character). */
 enum { MODE_OTHER, MODE_AUTO, MODE_INLINE, MODE_MAPPED, MODE_DMA };
 static int flush_mode_kind(PyObject *fm) {
-    if (fm == s_auto) return MODE_AUTO;
-    if (fm == s_inline) return MODE_INLINE;
-    if (fm == s_mapped) return MODE_MAPPED;
-    if (fm == s_dma) return MODE_DMA;
+    if (fm == S->s_auto) return MODE_AUTO;
+    if (fm == S->s_inline) return MODE_INLINE;
+    if (fm == S->s_mapped) return MODE_MAPPED;
+    if (fm == S->s_dma) return MODE_DMA;
     if (!fm || !PyUnicode_Check(fm)) return MODE_OTHER;
     if (!PyUnicode_CompareWithASCIIString(fm, "auto")) return MODE_AUTO;
     if (!PyUnicode_CompareWithASCIIString(fm, "inline")) return MODE_INLINE;
@@ -189,7 +193,7 @@ static int flush_mode_kind(PyObject *fm) {
  * mapped and dma: the GPU reads all of a segment; auto and inline: what lies past the
  * largest carry (the rest may travel in a launch, which the driver copies on the host). */
 static int64_t nt_from_for(CopierCore *c) {
-    if (nt_off) return -1;
+    if (S->nt_off) return -1;
     int kind = flush_mode_kind(c->flush_mode);
     if (kind == MODE_MAPPED || kind == MODE_DMA) return 0;
     long long cm;
@@ -203,7 +207,7 @@ static int64_t nt_from_for(CopierCore *c) {
 static void count_segment(CopierCore *c, PyObject *how, int64_t total) {
     c->n_segments++;
     c->n_bytes += total;
-    if (how == s_inline) c->n_inline++;
+    if (how == S->s_inline) c->n_inline++;
     else c->n_mapped++;
 }
 
@@ -284,12 +288,12 @@ static PyObject *copiercore_flush_fast(CopierCore *c, PyObject *unused) {
          * slot's next segment starts past them */
         if (E->graphed(E->drv, stream, dev + (unsigned long long)off) != 0) goto cut;
         if (seg->cursor < off + gcap) seg->cursor = off + gcap;
-        how = s_mapped;
+        how = S->s_mapped;
         Py_SETREF(slot->dirty, Py_NewRef(Py_True));
     } else if (carries && total <= inline_max) {
         if (launch_carried(seg, L, nblocks, stream, dev + (unsigned long long)off, total) != 0)
             goto cut;
-        how = s_inline; /* carried whole: no event needed for it */
+        how = S->s_inline; /* carried whole: no event needed for it */
     } else if (mapped_max >= 0 && head <= inline_max &&
                (mapped_only || total <= mapped_max)) {
         /* _land's mapped launch carrying the header and the table (head <= the largest
@@ -297,7 +301,7 @@ static PyObject *copiercore_flush_fast(CopierCore *c, PyObject *unused) {
         if (launch_carried(seg, L, nblocks, stream, dev + (unsigned long long)off,
                            align_up(head, ALIGN)) != 0)
             goto cut;
-        how = s_mapped;
+        how = S->s_mapped;
         /* the launch reads the slot when it runs: its event follows it */
         Py_SETREF(slot->dirty, Py_NewRef(Py_True));
     } else {
@@ -308,7 +312,7 @@ static PyObject *copiercore_flush_fast(CopierCore *c, PyObject *unused) {
     if (!f) return NULL;
     Py_DECREF(f);
     c->fast_flushes++;
-    if (how == s_mapped && slot->dirty == Py_True &&
+    if (how == S->s_mapped && slot->dirty == Py_True &&
         E->record(E->drv, event, stream) == 0) { /* StagingRing.record */
         Py_SETREF(slot->recorded, Py_NewRef(Py_True));
         Py_SETREF(slot->dirty, Py_NewRef(Py_False));
@@ -337,13 +341,18 @@ cut:
 static PyObject *core_seg(PyObject *self) {
     /* the copier's class (a subclass: an MRO walk each time) remembered once seen; the
      * reference keeps it alive, so no other type takes its address */
-    static PyTypeObject *known;
     PyTypeObject *tp = Py_TYPE(self);
-    if (tp == known || tp == &CopierCoreType) return ((CopierCore *)self)->seg;
+    if (tp == (PyTypeObject *)S->known_core || tp == &CopierCoreType)
+        return ((CopierCore *)self)->seg;
     if (!PyType_IsSubtype(tp, &CopierCoreType)) return NULL;
-    Py_INCREF(tp);
-    Py_XSETREF(known, tp);
+    Py_XSETREF(S->known_core, Py_NewRef((PyObject *)tp));
     return ((CopierCore *)self)->seg;
+}
+
+static PyObject *core_fastcopy(PyObject *self) {
+    return core_seg(self) || PyObject_TypeCheck(self, &CopierCoreType)
+               ? ((CopierCore *)self)->fastcopy
+               : NULL;
 }
 
 static PyMethodDef copiercore_methods[] = {
@@ -376,11 +385,26 @@ static PyMemberDef copiercore_members[] = {
      "Segments landed by _flush_fast."},
     {"_step_ctx", T_LONGLONG, offsetof(CopierCore, step_ctx), READONLY,
      "The Context (its address) the open step() block was entered in; 0: none."},
+    {"_plain_bits", T_INT, offsetof(CopierCore, plain), READONLY,
+     "Which of begin() (1) and flush() (2) the class leaves as DeviceCopier's."},
     {"_step_seq", T_LONGLONG, offsetof(CopierCore, step_seq), READONLY,
      "The open step() block's sequence number (the innermost step has the largest)."},
     {NULL},
 };
 #undef MEMBER
+
+/* A new copier core: its class's plain methods resolved once (public look-ups on its
+ * MRO; per step the core reads the bits, not the class) */
+static PyObject *copiercore_new(PyTypeObject *tp, PyObject *args, PyObject *kw) {
+    CopierCore *c = (CopierCore *)PyType_GenericNew(tp, args, kw);
+    if (!c) return NULL;
+    PyObject *m;
+    if (S->plain_begin && type_lookup(tp, S->s_begin) == S->plain_begin) c->plain |= PLAIN_BEGIN;
+    if (S->plain_flush && type_lookup(tp, S->s_flush) == S->plain_flush) c->plain |= PLAIN_FLUSH;
+    if ((m = type_lookup(tp, S->s_copy)) && Py_IS_TYPE(m, &FastCopyType))
+        c->fastcopy = Py_NewRef(m);
+    return (PyObject *)c;
+}
 
 static PyTypeObject CopierCoreType = CORE_TYPE(copiercore, CopierCore, copiercore_methods,
     "The copier's per-step fields and begin()'s common case (compiled twin of "
@@ -417,17 +441,14 @@ static int stepcore_init(StepCore *st, PyObject *args, PyObject *kw) {
     return 0;
 }
 
-static PyObject *s_enter, *s_exit, *s_flush, *s_begin, *s_flush_failed, *s_flush_rest;
-static PyObject *plain_begin; /* DeviceCopier.begin: a subclass that overrides it is called */
-static PyObject *plain_flush; /* DeviceCopier.flush: likewise */
 
 static PyObject *stepcore_plain_begin(PyObject *type, PyObject *func) {
-    Py_XSETREF(plain_begin, Py_NewRef(func));
+    Py_XSETREF(S->plain_begin, Py_NewRef(func));
     Py_RETURN_NONE;
 }
 
 static PyObject *stepcore_plain_flush(PyObject *type, PyObject *func) {
-    Py_XSETREF(plain_flush, Py_NewRef(func));
+    Py_XSETREF(S->plain_flush, Py_NewRef(func));
     Py_RETURN_NONE;
 }
 
@@ -439,25 +460,8 @@ static PyObject *stepcore_plain_flush(PyObject *type, PyObject *func) {
  * Context object, and a sequence number: the innermost step wins), a few
  * instructions; cucopy.copy's Python fallback, taken only when no copier is
  * activated, finds the copier by it (copier._step_copier). */
-static long long step_counter;
 
-#if PY_VERSION_HEX >= 0x030D0000
-#define CUCOPY_TSTATE() PyThreadState_GetUnchecked()
-#else
-#define CUCOPY_TSTATE() _PyThreadState_UncheckedGet()
-#endif
-
-/* the calling thread's current Context object (made now if it has none yet), or NULL
- * with an exception set */
-static PyObject *current_context(void) {
-    PyThreadState *ts = CUCOPY_TSTATE(); /* (never NULL: the caller holds the GIL) */
-    if (!ts->context) {
-        PyObject *copy = PyContext_CopyCurrent(); /* makes the thread's context */
-        if (!copy) return NULL;
-        Py_DECREF(copy);
-    }
-    return ts->context;
-}
+/* (current_context: foreign.c, it reads CPython's thread state) */
 
 static PyObject *mod_context_id(PyObject *m, PyObject *unused) {
     PyObject *ctx = current_context();
@@ -468,8 +472,8 @@ static PyObject *mod_context_id(PyObject *m, PyObject *unused) {
  * (one Python frame less a step), or the copier's own flush() when a subclass has one */
 static PyObject *step_flush(CopierCore *c) {
     PyObject *o = (PyObject *)c;
-    if (!plain_flush || _PyType_Lookup(Py_TYPE(o), s_flush) != plain_flush)
-        return PyObject_CallMethodNoArgs(o, s_flush);
+    if (!(c->plain & PLAIN_FLUSH))
+        return PyObject_CallMethodNoArgs(o, S->s_flush);
     PyObject *done = copiercore_flush_fast(c, NULL);
     if (!done) {
         /* flush(): except BaseException as exc: self._flush_failed(exc) (raises) */
@@ -480,7 +484,7 @@ static PyObject *step_flush(CopierCore *c) {
         Py_XDECREF(tp);
         Py_XDECREF(tb);
         if (!exc) return NULL; /* (no exception after all: cannot happen) */
-        PyObject *r = PyObject_CallMethodOneArg(o, s_flush_failed, exc);
+        PyObject *r = PyObject_CallMethodOneArg(o, S->s_flush_failed, exc);
         Py_DECREF(exc);
         Py_XDECREF(r);
         if (r) {
@@ -489,7 +493,7 @@ static PyObject *step_flush(CopierCore *c) {
         return NULL;
     }
     if (done == Py_True) return done;
-    PyObject *r = PyObject_CallMethodOneArg(o, s_flush_rest, done);
+    PyObject *r = PyObject_CallMethodOneArg(o, S->s_flush_rest, done);
     Py_DECREF(done);
     return r;
 }
@@ -498,8 +502,8 @@ static PyObject *stepcore_enter(StepCore *st, PyObject *unused) {
     PyObject *ctx = current_context();
     if (!ctx) return NULL;
     PyObject *o = st->copier;
-    if (o && st->graph == Py_None && PyObject_TypeCheck(o, &CopierCoreType) && plain_begin &&
-        _PyType_Lookup(Py_TYPE(o), s_begin) == plain_begin) {
+    if (o && st->graph == Py_None && PyObject_TypeCheck(o, &CopierCoreType) &&
+        (((CopierCore *)o)->plain & PLAIN_BEGIN)) {
         CopierCore *c = (CopierCore *)o;
         if (c->stepping == Py_False && c->closed == Py_False) {
             Py_INCREF(o); /* held: begin runs Python code on some backends */
@@ -512,16 +516,16 @@ static PyObject *stepcore_enter(StepCore *st, PyObject *unused) {
             if (r == Py_True) {
                 Py_SETREF(c->stepping, Py_NewRef(Py_True));
                 c->step_ctx = (long long)(uintptr_t)ctx; /* the block's context */
-                c->step_seq = ++step_counter;
+                c->step_seq = ++S->step_counter;
                 return o; /* (the reference held above) */
             }
             Py_DECREF(o);
         }
     }
-    PyObject *r = PyObject_CallMethodNoArgs((PyObject *)st, s_enter);
+    PyObject *r = PyObject_CallMethodNoArgs((PyObject *)st, S->s_enter);
     if (r && o && PyObject_TypeCheck(o, &CopierCoreType)) {
         ((CopierCore *)o)->step_ctx = (long long)(uintptr_t)ctx;
-        ((CopierCore *)o)->step_seq = ++step_counter;
+        ((CopierCore *)o)->step_seq = ++S->step_counter;
     }
     return r;
 }
@@ -539,7 +543,7 @@ static PyObject *stepcore_exit(StepCore *st, PyObject *const *args, Py_ssize_t n
         !((CopierCore *)o)->seg || Py_TYPE(((CopierCore *)o)->seg) != &SegmentType) {
         if (core && !foreign) ((CopierCore *)o)->step_ctx = 0; /* the block ends */
         return PyObject_VectorcallMethod(
-            s_exit, (PyObject *[]){(PyObject *)st, args[0], args[1], args[2]}, 4, NULL);
+            S->s_exit, (PyObject *[]){(PyObject *)st, args[0], args[1], args[2]}, 4, NULL);
     }
     CopierCore *c = (CopierCore *)Py_NewRef(o); /* held: flush() runs Python code */
     c->step_ctx = 0;
@@ -638,14 +642,31 @@ static PyTypeObject ActivationType = CORE_TYPE(activation, Activation, activatio
     "What DeviceCopier.activate() returns (compiled twin of cucopy.copier._PyActivation).");
 
 static PyObject *mod_native_word_reads(PyObject *m, PyObject *unused) {
-    return PyLong_FromLongLong(native_word_reads);
+    return PyLong_FromLongLong(S->native_word_reads);
 }
 
 static PyObject *mod_thread_id(PyObject *m, PyObject *unused) {
     return PyLong_FromUnsignedLongLong(thread_id());
 }
 
+static PyObject *mod_set_foreign(PyObject *m, PyObject *arg) {
+    unsigned long bits = PyLong_AsUnsignedLong(arg);
+    if (bits == (unsigned long)-1 && PyErr_Occurred()) return NULL;
+    if (bits & ~(unsigned long)FOREIGN_ALL) {
+        PyErr_Format(PyExc_ValueError, "_set_foreign: bits %lu outside %u", bits, FOREIGN_ALL);
+        return NULL;
+    }
+    unsigned old = S->foreign;
+    S->foreign = (unsigned)bits;
+    return PyLong_FromUnsignedLong(old);
+}
+
 static PyMethodDef module_methods[] = {
+    {"_set_foreign", mod_set_foreign, METH_O,
+     "_set_foreign(bits) -> the bits before: which reads of other libraries' internals the "
+     "core makes (1 NumPy's array fields, 2 native getters, 4 a tensor's handle word, 8 its "
+     "key-set flag word; 15 all, the default). A cleared bit takes the public path; it "
+     "applies to cache entries made after the call."},
     {"thread_id", mod_thread_id, METH_NOARGS,
      "The calling thread's id for step ownership: never reused by a later thread "
      "(twin of cucopy.segment.py_thread_id)."},

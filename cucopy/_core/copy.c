@@ -248,7 +248,7 @@ static int h2d_fast(Segment *s, PyObject *site, PyObject *dst, PyObject *src,
         if (!seg_usable(s)) goto miss; /* the query is Python code on some backends */
         seg_open(s);
     }
-    if ((PyObject *)Py_TYPE(src) == ndarray_type &&
+    if ((PyObject *)Py_TYPE(src) == S->ndarray_type && (S->foreign & FOREIGN_NUMPY) &&
         ((NpArray *)src)->descr == g.dtype) { /* the usual case: read the array's fields */
         NpArray *a = (NpArray *)src;
         int64_t n = 1;
@@ -266,8 +266,8 @@ static int h2d_fast(Segment *s, PyObject *site, PyObject *dst, PyObject *src,
             r = skip ? 1
                      : append_raw_rows(s, site, on_drop, g.ptr, g.rows, g.width, g.pitch, g.lo,
                                        g.hi, g.nbytes, g.kind, a->data, a->strides[0]);
-    } else if ((PyObject *)Py_TYPE(src) == ndarray_type) {
-        PyObject *dt = PyObject_GetAttr(src, s_dtype);
+    } else if ((PyObject *)Py_TYPE(src) == S->ndarray_type) {
+        PyObject *dt = PyObject_GetAttr(src, S->s_dtype);
         if (!dt) goto soft;
         int eq = dt == g.dtype ? 1 : PyObject_RichCompareBool(dt, g.dtype, Py_EQ);
         Py_DECREF(dt);
@@ -370,7 +370,9 @@ static PyObject *seg_try_fill(Segment *s, PyObject *const *args, Py_ssize_t narg
         if (bits < 64 && (v < -(1LL << (bits - 1)) || v >= (1LL << (bits - 1)))) goto miss;
         pattern = (uint64_t)v;
     } else {
-        if (_PyLong_Sign(args[3]) < 0) goto miss;
+        long long sv = PyLong_AsLongLongAndOverflow(args[3], &overflow); /* (its sign) */
+        if (sv == -1 && PyErr_Occurred()) goto soft;
+        if (overflow < 0 || (!overflow && sv < 0)) goto miss;
         unsigned long long v = PyLong_AsUnsignedLongLong(args[3]);
         if (v == (unsigned long long)-1 && PyErr_Occurred()) goto soft;
         if (bits < 64 && v >= (1ULL << bits)) goto miss;

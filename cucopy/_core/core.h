@@ -63,7 +63,33 @@ static void cleared_dealloc(PyObject *o) {
     Py_TYPE(o)->tp_free(o);
 }
 
-static PyObject *s_dtype, *s_spec, *s_view;
+
+/* The module's state: everything the core keeps between calls. One module instance a
+ * process (its types are static: module.c refuses a second), so the state is reached
+ * through S, set once by the module's exec slot, instead of a module lookup a call. */
+typedef struct CoreState {
+    /* interned names the core reads or calls */
+    PyObject *s_dtype, *s_spec, *s_view, *s_native, *s_flags, *s_array, *s_top, *s_bottom,
+        *s_headroom, *s_seg, *s_after_barrier, *s_unchanged, *s_on_drop, *s_copy, *s_force,
+        *s_viewkw, *s_key, *s_exact, *s_data, *s_owned, *s_invalidate, *s_backend,
+        *s_event_query, *s_check_mode, *s_inline, *s_mapped, *s_auto, *s_dma, *s_enter,
+        *s_exit, *s_flush, *s_begin, *s_flush_failed, *s_flush_rest;
+    PyObject *ndarray_type; /* numpy.ndarray */
+    PyObject *uint8_descr;  /* numpy.dtype("uint8") */
+    PyObject *plain_begin;  /* DeviceCopier.begin (StepCore._plain_begin) */
+    PyObject *plain_flush;  /* DeviceCopier.flush (StepCore._plain_flush) */
+    PyObject *known_core;   /* the copier class core_seg last saw (copier.c) */
+    struct Native *natives; /* the native getters fingerprints declared (foreign.c) */
+    int nnatives;
+    PyObject **entry_pool; /* cleared Entry objects kept for the next steps (segment.c) */
+    int entry_npool;
+    long long native_word_reads; /* validations through a tensor's handle word (tests) */
+    long long step_counter;      /* step() blocks entered (the innermost has the largest) */
+    int nt_off;                  /* CUCOPY_NO_NT at import: no streaming stores */
+    unsigned foreign;            /* the foreign reads in use (FOREIGN_* bits, foreign.c) */
+} CoreState;
+
+static CoreState *S;
 
 static inline int64_t align_up(int64_t n, int64_t a) { return (n + a - 1) & -a; }
 

@@ -21,8 +21,8 @@ typedef struct {
     vectorcallfunc vectorcall;
 } FastCopy;
 
-static PyObject *s_seg, *s_after_barrier, *s_unchanged, *s_on_drop;
 static PyObject *core_seg(PyObject *self); /* a CopierCore's segment (borrowed), or NULL */
+static PyObject *core_fastcopy(PyObject *self); /* its class's FastCopy (borrowed), or NULL */
 
 static PyObject *fastcopy_call(FastCopy *f, PyObject *const *args, size_t nargsf,
                                PyObject *kwnames) {
@@ -33,15 +33,15 @@ static PyObject *fastcopy_call(FastCopy *f, PyObject *const *args, size_t nargsf
         Py_ssize_t nk = PyTuple_GET_SIZE(kwnames);
         for (Py_ssize_t i = 0; i < nk; i++) {
             PyObject *k = PyTuple_GET_ITEM(kwnames, i), *v = args[nargs + i];
-            if (k == s_on_drop) on_drop = v;
-            else if (k == s_unchanged && v == Py_False) continue;
+            if (k == S->s_on_drop) on_drop = v;
+            else if (k == S->s_unchanged && v == Py_False) continue;
             else goto full; /* unchanged=True, or anything unusual */
         }
     }
     PyObject *self = args[0];
     PyObject *seg = core_seg(self); /* the member itself, no attribute lookup */
     if (seg) Py_INCREF(seg);
-    else seg = PyObject_GetAttr(self, s_seg);
+    else seg = PyObject_GetAttr(self, S->s_seg);
     if (!seg) return NULL;
     if (Py_TYPE(seg) != &SegmentType) { Py_DECREF(seg); goto full; }
     int code = h2d_fast((Segment *)seg, args[1], args[2], args[3], on_drop, 0);
@@ -49,7 +49,7 @@ static PyObject *fastcopy_call(FastCopy *f, PyObject *const *args, size_t nargsf
     if (code < 0) return NULL;
     if (code == STAGED) Py_RETURN_TRUE;
     if (code == BARRIER) {
-        PyObject *x = PyObject_CallMethodOneArg(self, s_after_barrier, args[1]);
+        PyObject *x = PyObject_CallMethodOneArg(self, S->s_after_barrier, args[1]);
         if (!x) return NULL;
         Py_DECREF(x);
         Py_RETURN_TRUE;
@@ -131,7 +131,6 @@ typedef struct {
     vectorcallfunc vectorcall;
 } FastRoute;
 
-static PyObject *s_copy;
 
 static PyObject *fastroute_call(FastRoute *f, PyObject *const *args, size_t nargsf,
                                 PyObject *kwnames) {
@@ -139,8 +138,8 @@ static PyObject *fastroute_call(FastRoute *f, PyObject *const *args, size_t narg
     Py_ssize_t total = nargs + (kwnames ? PyTuple_GET_SIZE(kwnames) : 0);
     PyObject *c = NULL;
     if (total < 8 && PyContextVar_Get(f->var, NULL, &c) == 0 && c && c != Py_None) {
-        PyObject *m = _PyType_Lookup(Py_TYPE(c), s_copy); /* borrowed */
-        if (m && Py_TYPE(m) == &FastCopyType) {
+        PyObject *m = core_fastcopy(c); /* the copier's class's FastCopy (borrowed), or NULL */
+        if (m) {
             PyObject *v[8];
             v[0] = c;
             memcpy(v + 1, args, (size_t)total * sizeof(PyObject *));

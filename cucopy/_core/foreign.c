@@ -9,7 +9,56 @@
 #error "compiled only through module.c"
 #endif
 
-static PyObject *ndarray_type; /* numpy.ndarray */
+/* The reads below, each behind a bit of S->foreign (all set at import): clearing one
+ * makes the core take the public path instead (module function _set_foreign; the
+ * bench's foreign-reads probe measures what each saves, tests force each fallback).
+ * A cleared bit applies to cache entries made after it. */
+#define FOREIGN_NUMPY 1u    /* an exact ndarray's fields (else: dtype, buffer protocol) */
+#define FOREIGN_NATIVE 2u   /* a fingerprint's native getters (else: its spec's calls) */
+#define FOREIGN_WORD 4u     /* the handle word a tensor holds (else: its attribute) */
+#define FOREIGN_FLAGWORD 8u /* the handle's key-set bits (else: is_conj(), is_neg()) */
+#define FOREIGN_ALL 15u
+
+/* A type's attribute as the type's MRO gives it (borrowed, or NULL; no error set):
+ * the public twin of CPython's private _PyType_Lookup, for look-ups made once (when a
+ * cache entry or a type's descriptors are resolved), never per copy. */
+static PyObject *type_lookup(PyTypeObject *tp, PyObject *name) {
+    PyObject *mro = tp->tp_mro;
+    if (!mro || !PyTuple_Check(mro)) return NULL;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(mro); i++) {
+        PyTypeObject *b = (PyTypeObject *)PyTuple_GET_ITEM(mro, i);
+#if PY_VERSION_HEX >= 0x030C0000
+        PyObject *dict = PyType_GetDict(b); /* (static builtin types keep theirs apart) */
+#else
+        PyObject *dict = Py_XNewRef(b->tp_dict);
+#endif
+        if (!dict) continue;
+        PyObject *v = PyDict_GetItemWithError(dict, name); /* borrowed: the type holds it */
+        Py_DECREF(dict);
+        if (v) return v;
+        if (PyErr_Occurred()) {
+            PyErr_Clear();
+            return NULL;
+        }
+    }
+    return NULL;
+}
+
+/* The calling thread's current Context object (made now if it has none yet), or NULL
+ * with an exception set. A step records its block's context by identity (copier.c):
+ * setting a context variable instead costs ~1.4k instructions a step (a HAMT node and
+ * a token). CPython has no public call that answers it without a copy, so this reads
+ * the thread state's ``context`` field (cpython/pystate.h, 3.7 and later). */
+static PyObject *current_context(void) {
+    PyThreadState *ts = PyThreadState_Get(); /* (the caller holds the GIL) */
+    if (!ts->context) {
+        PyObject *copy = PyContext_CopyCurrent(); /* makes the thread's context */
+        if (!copy) return NULL;
+        Py_DECREF(copy);
+    }
+    return ts->context;
+}
+
 
 /* The leading fields of a NumPy array object (PyArrayObject_fields, numpy/ndarraytypes.h,
  * the same in NumPy 1.x and 2.x: part of its C ABI). Read only for exact ndarrays. */
@@ -64,18 +113,15 @@ typedef struct NGeo {
 } NGeo;
 
 #define MAX_NATIVES 8
-static Native natives[MAX_NATIVES];
-static int nnatives;
-static PyObject *s_native;
 
 /* the native getters fp declares (parsed once, kept for the process), or NULL */
 static Native *native_for(PyObject *fp) {
-    for (int i = 0; i < nnatives; i++)
-        if (natives[i].fp == fp) return natives[i].attr ? &natives[i] : NULL;
-    if (nnatives == MAX_NATIVES) return NULL;
-    Native *n = &natives[nnatives];
+    for (int i = 0; i < S->nnatives; i++)
+        if (S->natives[i].fp == fp) return S->natives[i].attr ? &S->natives[i] : NULL;
+    if (S->nnatives == MAX_NATIVES) return NULL;
+    Native *n = &S->natives[S->nnatives];
     memset(n, 0, sizeof(*n));
-    PyObject *t = PyObject_GetAttr(fp, s_native);
+    PyObject *t = PyObject_GetAttr(fp, S->s_native);
     if (!t) {
         if (soft_clear() < 0) return NULL; /* (a BaseException: the caller sees it set) */
     } else if (PyTuple_Check(t) &&
@@ -117,13 +163,13 @@ static Native *native_for(PyObject *fp) {
     }
     Py_XDECREF(t);
     n->fp = Py_NewRef(fp); /* kept: the entry is keyed by its identity */
-    nnatives++;
+    S->nnatives++;
     return n->attr ? n : NULL;
 }
 
 /* the handle attribute's data descriptor on tp (new reference), or NULL */
 static PyObject *native_descr(Native *n, PyTypeObject *tp) {
-    PyObject *d = _PyType_Lookup(tp, n->attr); /* borrowed */
+    PyObject *d = type_lookup(tp, n->attr); /* borrowed */
     if (!d || !Py_TYPE(d)->tp_descr_get || !Py_TYPE(d)->tp_descr_set) return NULL;
     return Py_NewRef(d);
 }
@@ -151,7 +197,6 @@ static inline void *native_word(Native *n, PyObject *x) {
     return *(void *const *)((const char *)x + n->word_off);
 }
 
-static long long native_word_reads; /* validations through the word (for the tests) */
 
 /* the geometry of the tensor whose handle is impl: 1 read, 0 not */
 static int native_geo(Native *n, void *impl, NGeo *g) {
@@ -176,7 +221,7 @@ static int native_read(Native *n, PyObject *descr, PyTypeObject *tp, PyObject *x
  * handle's flag bits clear (a conjugate or negative view set in place: a miss) */
 static int native_same(Native *n, void *impl, const NGeo *was) {
     if (!impl) return 0;
-    if (n->flag_off >= 0 &&
+    if (n->flag_off >= 0 && (S->foreign & FOREIGN_FLAGWORD) &&
         (*(const uint64_t *)((const char *)impl + n->flag_off) & n->flag_mask))
         return 0;
     void *word = impl, *ptr;

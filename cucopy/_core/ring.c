@@ -179,7 +179,6 @@ static PyMemberDef slotcore_members[] = {
 static PyTypeObject SlotCoreType = CORE_TYPE(slotcore, SlotCore, NULL,
     "A ring slot's per-step fields (compiled twin of cucopy.ring.PySlotCore).");
 
-static PyObject *s_backend, *s_event_query;
 
 typedef struct {
     PyObject_HEAD
@@ -278,8 +277,8 @@ static int ring_ask(RingCore *r, CarriedLauncher *L, PyObject *ev) {
         int rc = L->query(L->drv, h);
         return rc == 0 ? 1 : rc == 600 ? 0 : -1; /* 600: CUDA_ERROR_NOT_READY */
     }
-    PyObject *backend = PyObject_GetAttr((PyObject *)r, s_backend);
-    PyObject *done = backend ? PyObject_CallMethodOneArg(backend, s_event_query, ev) : NULL;
+    PyObject *backend = PyObject_GetAttr((PyObject *)r, S->s_backend);
+    PyObject *done = backend ? PyObject_CallMethodOneArg(backend, S->s_event_query, ev) : NULL;
     Py_XDECREF(backend);
     int a = done == Py_True ? 1 : done == Py_False ? 0 : -1;
     Py_XDECREF(done);

@@ -33,24 +33,22 @@ static int entry_clear(Entry *e) {
  * garbage collector's young-generation passes (one every ~700 allocations, which
  * cost several percent of a step once a framework's objects are about). */
 #define ENTRY_POOL_MAX 4096
-static Entry *entry_pool[ENTRY_POOL_MAX];
-static int entry_npool;
 
 static int entry_clear(Entry *e);
 
 /* e: a reference the caller owns and the only one left (refcount 1) */
 static void entry_recycle(Entry *e) {
     entry_clear(e);
-    if (entry_npool == ENTRY_POOL_MAX) { Py_DECREF(e); return; }
-    entry_pool[entry_npool++] = e; /* still GC-tracked; all its fields NULL */
+    if (S->entry_npool == ENTRY_POOL_MAX) { Py_DECREF(e); return; }
+    S->entry_pool[S->entry_npool++] = (PyObject *)e; /* still GC-tracked; all its fields NULL */
 }
 
 /* site, on_drop (a callable or None: wrapped in a list), lo, hi, index (stolen) */
 static Entry *entry_new(PyObject *site, PyObject *on_drop, addr_t lo, addr_t hi,
                         PyObject *index) {
     Entry *e;
-    int pooled = entry_npool > 0;
-    if (pooled) e = entry_pool[--entry_npool];
+    int pooled = S->entry_npool > 0;
+    if (pooled) e = (Entry *)S->entry_pool[--S->entry_npool];
     else e = PyObject_GC_New(Entry, &EntryType);
     if (!e) { Py_DECREF(index); return NULL; }
     Py_INCREF(site);
@@ -335,10 +333,9 @@ static int contains(PyObject *set, PyObject *key) {
 #define SITE_BARRIER 4
 static int site_flags(Segment *s, PyObject *site);
 
-static PyObject *s_array, *s_top, *s_bottom, *s_headroom;
 
 static PyObject *seg_bind(Segment *s, PyObject *slot) {
-    PyObject *arr = PyObject_GetAttr(slot, s_array);
+    PyObject *arr = PyObject_GetAttr(slot, S->s_array);
     if (!arr) { seg_release(s); return NULL; }
     /* The export (~0.05 us) is kept for the slot bound last: binding that slot
      * again (a ring of one slot, a re-bind) reuses it; the next slot of a rotating
@@ -352,7 +349,7 @@ static PyObject *seg_bind(Segment *s, PyObject *slot) {
         s->slot = Py_NewRef(slot);
         s->size = s->view.len;
         /* the bytes a carried launch may write before offset 0 (see launch_carried) */
-        PyObject *h = PyObject_GetAttr(slot, s_headroom);
+        PyObject *h = PyObject_GetAttr(slot, S->s_headroom);
         s->headroom = h && PyLong_CheckExact(h) ? PyLong_AsLongLong(h) : 0;
         Py_XDECREF(h);
         if (s->headroom < 0 || PyErr_Occurred()) {
@@ -362,8 +359,8 @@ static PyObject *seg_bind(Segment *s, PyObject *slot) {
     }
     Py_DECREF(arr);
     /* read every time: the ring resets them when it hands the slot out again */
-    PyObject *top = PyObject_GetAttr(slot, s_top);
-    PyObject *bottom = top ? PyObject_GetAttr(slot, s_bottom) : NULL;
+    PyObject *top = PyObject_GetAttr(slot, S->s_top);
+    PyObject *bottom = top ? PyObject_GetAttr(slot, S->s_bottom) : NULL;
     if (!bottom) { Py_XDECREF(top); seg_release(s); return NULL; }
     s->top = PyLong_AsLongLong(top);
     s->bottom = PyLong_AsLongLong(bottom);
@@ -415,7 +412,7 @@ static PyObject *seg_take_top(Segment *s, PyObject *arg) {
     int64_t tail = nstaged(s) ? reserve_tail(s) : 0;
     if (top >= max64(s->cursor, s->bottom) + tail) {
         PyObject *v = PyLong_FromLongLong(top);
-        if (!v || PyObject_SetAttr(s->slot, s_top, v) < 0) { Py_XDECREF(v); return NULL; }
+        if (!v || PyObject_SetAttr(s->slot, S->s_top, v) < 0) { Py_XDECREF(v); return NULL; }
         s->top = top;
         return v;
     }
@@ -468,7 +465,7 @@ static PyObject *seg_remember(Segment *s, PyObject *const *args, Py_ssize_t narg
         c->nbytes = g[1] * g[2];
         c->kind = g[1] == 1 ? KIND_H2D : KIND_H2D_2D;
     }
-    PyObject *vspec = PyObject_GetAttr(fp, s_view);
+    PyObject *vspec = PyObject_GetAttr(fp, S->s_view);
     if (!vspec) {
         if (soft_clear() < 0) { Py_DECREF(c); return NULL; }
     } else if (PyTuple_Check(vspec) && PyTuple_GET_SIZE(vspec) == 9) {
