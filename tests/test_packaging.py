@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -65,6 +66,7 @@ def test_sdist_ships_the_package_and_no_test_suite(tmp_path):
         "cucopy/backends/_cudacall.c",
         "cucopy/kernels/scatter.cu",
         "cucopy/py.typed",
+        "cucopy/_segment.pyi",
     ):
         assert needed in names, needed
     # a test suite without its conftest.py, bench/ and README fails: none is shipped
@@ -78,7 +80,9 @@ def test_a_build_without_a_compiler_warns_once_naming_each_extension(tmp_path):
         src, f"print(b.build_wheel({str(out)!r}))", env={"CC": "false", "LDSHARED": "false"}
     )
     assert proc.returncode == 0, proc.stderr
-    assert list(out.glob("cucopy-*.whl"))
+    (wheel,) = out.glob("cucopy-*.whl")
+    with zipfile.ZipFile(wheel) as whl:
+        assert "cucopy/_segment.pyi" in whl.namelist()  # the stubs, even with no extension
     assert proc.stderr.count("WARNING: cucopy") == 1, proc.stderr
     for name in ("cucopy._segment: the compiled staging core", "cucopy.backends._cudacall"):
         assert name in proc.stderr, proc.stderr
