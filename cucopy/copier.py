@@ -85,7 +85,7 @@ class PyStepCore:
     """:class:`_Step`'s fields and its ``with`` protocol (the pure-Python reference).
 
     ``cucopy._segment.StepCore`` is its compiled twin: its ``__enter__`` opens a plain
-    step with :meth:`PyCopierCore._begin_fast` when that takes it, and its
+    step with the compiled ``_begin_fast`` when that takes it, and its
     ``__exit__`` of a step that raised nothing calls ``flush()`` and closes the step;
     anything else goes to :meth:`_Step._enter` / :meth:`_Step._exit`, which this
     reference always calls.
@@ -229,7 +229,8 @@ class PyCopierCore:
     subclasses it).
 
     ``cucopy._segment.CopierCore`` is its compiled twin: the same fields as C members,
-    and a :meth:`_begin_fast` that opens the common step in one call.
+    and a ``_begin_fast`` that opens the common step in one call (the Python
+    copier has no such stand-in: its begin() runs its body).
     """
 
     __slots__ = (
@@ -271,68 +272,15 @@ class PyCopierCore:
         """Segments :meth:`_flush_fast` landed (always 0 here: it lands none)."""
         return 0
 
-    def _flush_fast(self):
-        """:meth:`DeviceCopier.flush`'s common case in one call.
-
-        The compiled twin, when the copier is open and the step its thread's, copies
-        are staged, check mode is off, the flush mode is ``inline``, ``auto`` or
-        ``mapped``, the backend has a compiled launch and the stream is not
-        capturing: cuts the segment and launches it as
-        :meth:`DeviceCopier._flush_segment` would: graphed when the backend's graph
-        reads all of it (``mapped``, ``auto``), else carried whole when it fits
-        (``inline``, ``auto``), else read mapped with its header and table carried
-        (``mapped``, and ``auto`` up to ``_mapped_max`` bytes), then records the
-        slot's event after a mapped launch through the launcher's compiled
-        ``cuEventRecord`` (when the launcher offers it and the event is a raw
-        handle); counts it (see :meth:`_take_counts`) and finishes it. It checks
-        everything before it cuts.
-
-        Returns
-        -------
-        True, False or tuple
-            True: landed, or nothing staged and no slot event owed (the body would
-            return at once). False: run :meth:`DeviceCopier.flush`'s body (nothing was
-            changed, or the segment landed and the slot still needs its event
-            recorded). A tuple: the segment is cut but could not be launched carried
-            whole; ``_flush_segment(cut)`` lands it. This reference always returns
-            False.
-        """
-        return False
-
-    def _take_counts(self) -> tuple:
-        """Totals the compiled fast paths counted since the last call, and zero them.
-
-        The compiled twin counts the steps :meth:`_begin_fast` opens and the segments
-        :meth:`_flush_fast` lands in C, not in ``stats`` (an attribute ``+=`` from C
-        costs ~0.1 us); ``stats`` folds them in whenever one of its totals is read.
-
-        Returns
-        -------
-        tuple
-            ``(steps, segments, bytes_staged, inline, mapped)``; always zeros here.
-        """
-        return (0, 0, 0, 0, 0)
-
-    def _begin_fast(self) -> bool:
-        """:meth:`DeviceCopier.begin`'s common case in one call; False: run its body.
-
-        The compiled twin opens the step when the copier is open and the step its
-        thread's, nothing is staged, check mode is off, the stream is not capturing
-        (``_cap_query(_cap_arg)``, from the backend's
-        :meth:`~cucopy.backends.base.Backend.capture_query`) and the ring's common
-        step (:meth:`cucopy.ring.PyRingCore.advance_fast`) is taken; it checks
-        everything before changing anything. This reference always returns False: the
-        body is the same step.
-
-        Returns
-        -------
-        bool
-        """
-        return False
+    # No _begin_fast, _flush_fast or _take_counts: where the core is not compiled,
+    # begin() and flush() run their Python bodies (_COMPILED below), whole; the
+    # compiled twins' contract is in cucopy/_core/copier.c and TWINS.md (D2).
 
 
 #: the copier's per-step state: compiled when the staging core is built
 _CopierCore = PyCopierCore if _CompiledCopierCore is None else _CompiledCopierCore
+#: whether begin(), flush() and the ring's step have compiled common cases to try
+_COMPILED = _CompiledCopierCore is not None
 
 
 class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
@@ -477,8 +425,8 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
         # asked before a fast copy opens a segment: a capture begun after begin()
         self._seg.set_capture_query(self._cap_query, self._cap_arg)
         self.stats.pending.append(self._seg.fold)  # its merged counts, read with stats.sites
-        # the totals the compiled begin() and flush() count in C, read with stats' totals
-        self.stats.pending_totals.append(self._take_counts)
+        if _COMPILED:  # the totals its begin() and flush() count in C, read with stats'
+            self.stats.pending_totals.append(self._take_counts)
         self._tables = WindowMax(DEMAND_WINDOW)  # largest table per step
         self._try_h2d = self._seg.try_h2d
         # collected without close(): the ring is set aside, not freed by the collector
@@ -625,7 +573,7 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
         CopyError
             From that flush (nothing staged is lost), or a false claim in check mode.
         """
-        if self._begin_fast():  # the common step, compiled (see PyCopierCore._begin_fast)
+        if _COMPILED and self._begin_fast():  # the common step, compiled (core/copier.c)
             return
         me = _thread_id()
         if self._closed or (self._in_step and self._owner != me):
@@ -655,9 +603,13 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
     def _advance(self) -> None:
         ring = self._ring
         self._seg.nt_from = self._nt_from()  # (the compiled begin sets it as well)
-        fast = ring.advance_fast(self._seg, self._tables, self._cap_for, self._cap)
+        fast = (
+            ring.advance_fast(self._seg, self._tables, self._cap_for, self._cap)
+            if _COMPILED
+            else None
+        )
         if fast is not None:
-            # the common step, compiled (ring.PyRingCore.advance_fast): the same as below
+            # the common step, compiled (core/ring.c, RingCore.advance_fast): as below
             self._slot, self._cap_for, self._cap = fast
             return
         prev = ring.current
@@ -708,7 +660,8 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
         Also records the slot's event. Does nothing while the stream is capturing.
         """
         try:
-            done = self._flush_fast()  # the common case, compiled (PyCopierCore._flush_fast)
+            # the common case, compiled (core/copier.c); else the body below, whole
+            done = self._flush_fast() if _COMPILED else False
         except BaseException as exc:
             self._flush_failed(exc)
         if done is not True:

@@ -172,7 +172,7 @@ class PySlotCore:
     """A slot's per-step fields (the pure-Python reference; :class:`Slot` subclasses it).
 
     ``cucopy._segment.SlotCore`` is its compiled twin: the same fields as C members,
-    which the compiled :meth:`PyRingCore.advance_fast` reads and writes directly.
+    which the compiled ``RingCore.advance_fast`` reads and writes directly.
     """
 
     __slots__ = ("size", "bottom", "top", "recorded", "dirty", "temps", "frees", "base", "stamp")
@@ -185,7 +185,7 @@ class PyRingCore:
     ``cucopy._segment.RingCore`` is its compiled twin: ``current``, ``_slots``,
     ``_events``, ``_demand``, ``_index``, ``_want``, ``acquires``, ``_target_size``,
     ``_peak``, ``_launcher``, ``_certified``, ``_newest``, ``_newest_stamp`` and
-    ``_probe`` as C members, and an :meth:`advance_fast` that runs the common step
+    ``_probe`` as C members, and an ``advance_fast`` that runs the common step
     (``DeviceCopier._advance`` with :meth:`StagingRing.acquire`) in one call.
     """
 
@@ -193,33 +193,11 @@ class PyRingCore:
 
     @property
     def fast_advances(self) -> int:
-        """Steps :meth:`advance_fast` took (always 0 here: it takes none)."""
+        """Steps the compiled ``advance_fast`` took (always 0 here: there is none)."""
         return 0
 
-    def advance_fast(self, seg, tables, cap_for: int, cap: int):
-        """The common step in one call, or None for the Python path.
-
-        The compiled twin takes it when the previous slot is clean, the next one idle
-        (not recorded, or its event complete, asked through ``_launcher``'s compiled
-        query when it has one and the event is a raw handle; no temporaries) and sized for the demand
-        the ring last sized for: it acquires the slot, binds ``seg`` to it and sets
-        the table reservation from ``tables`` as
-        :meth:`cucopy.copier.DeviceCopier._advance` does, and returns
-        ``(slot, cap_for, cap)``. It checks everything before changing anything. This
-        reference always returns None: the Python path is the same step.
-
-        Parameters
-        ----------
-        seg : Segment
-        tables : WindowMax
-        cap_for, cap : int
-            The slot size the table cap was computed for, and that cap.
-
-        Returns
-        -------
-        tuple or None
-        """
-        return None
+    # No advance_fast: without the compiled core, DeviceCopier._advance runs its Python
+    # path, whole (its compiled twin: cucopy/_core/ring.c).
 
 
 #: the per-step state's classes: compiled when the staging core is built

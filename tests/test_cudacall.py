@@ -1215,7 +1215,8 @@ def test_stats_count_the_compiled_steps_when_read_and_a_reset_drops_them():
     assert c._fast_flushes == (8 if compiled else 0)
     assert st.as_dict()["steps"] == 8 and st.segments == 8 and st.bytes_staged == 8 * one
     assert st.modes == {"dma": 0, "mapped": 0, "inline": 8}
-    assert c._take_counts() == (0,) * 5  # all folded by the reads above
+    if compiled:
+        assert c._take_counts() == (0,) * 5  # all folded by the reads above
     with c.step():
         c.copy(Site.A, d, np.arange(4, dtype=np.int32))
     st.reset()  # the step above was counted (in C) before the reset: dropped
