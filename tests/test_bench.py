@@ -189,6 +189,7 @@ def test_bench_top_level_holds_the_main_job_only():
     tools |= {"host_ratio", "readme_table", "slim_results"}  # CI host figure; README table; results
     tools |= {"hf_ab"}  # transformers unmodified vs routed (the seam is in examples/)
     tools |= {"profile_programs"}  # the copy profiler over the examples
+    tools |= {"instr_gate"}  # CI's instruction-count gate (.ci/instr_gate)
     assert {p.stem for p in BENCH.glob("*.py")} <= set(SCENARIOS) | tools
 
 

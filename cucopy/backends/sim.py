@@ -89,6 +89,21 @@ def _serialized(method: _F) -> _F:
     return cast(_F, run)
 
 
+# NumPy 2.1 added reshape's copy argument, and NumPy 2.5 deprecates assigning .shape,
+# the older way to reshape without a copy
+_RESHAPE_COPY_ARG = np.lib.NumpyVersion(np.__version__) >= "2.1.0"
+
+
+def _reshaped_view(view: np.ndarray, shape) -> np.ndarray:
+    """``view`` reshaped to ``shape`` without a copy (device memory is not copied behind
+    the caller's back): raises when the strides allow no such view."""
+    if _RESHAPE_COPY_ARG:
+        return np.reshape(view, shape, copy=False)
+    v = view.view()
+    v.shape = shape  # NumPy < 2.1: not deprecated there
+    return v
+
+
 def _rows_of(arr) -> list:
     """``(address, width)`` of each contiguous run of ``arr``'s bytes."""
     from .._layout import blocks
@@ -176,8 +191,8 @@ class SimArray:
 
     def reshape(self, *shape) -> SimArray:
         """A reshaped view (no copy; raises if one is impossible)."""
-        v = self._view.view()
-        v.shape = shape[0] if len(shape) == 1 and isinstance(shape[0], tuple) else shape
+        want = shape[0] if len(shape) == 1 and isinstance(shape[0], tuple) else shape
+        v = _reshaped_view(self._view, want)
         return SimArray(self.device, v, self._alloc, self._base, self._root or self)
 
     def view(self, dtype) -> SimArray:
