@@ -28,6 +28,7 @@ def thread_id() -> int: ...
 def _context_id() -> int: ...
 def _native_word_reads() -> int: ...
 def _set_foreign(bits: int, /) -> int: ...
+def _set_check_mode(on: object, /) -> None: ...
 
 @final
 class Entry:
@@ -207,30 +208,29 @@ class RingCore:
 
 @disjoint_base
 class CopierCore:
-    _closed: object
-    _in_step: object
-    _owner: object
+    _closed: bool
+    _in_step: bool
+    _owner: int
     _seg: object
     _checker: object
     _feed: object
     _feed_pending: object
-    _capturing: object
+    _capturing: bool
     _ring: object
     _slot: object
     _tables: object
-    _cap_for: object
-    _cap: object
-    _stepping: object
+    _cap_for: int
+    _cap: int
+    _stepping: bool
     stats: object
     _cap_query: object
     _cap_arg: object
     _launcher: object
     _handle: object
-    _carry_max: object
-    _mapped_max: object
-    _graph_cap: object
-    flush_mode: object
-    _check_mod: object
+    _carry_max: int
+    _mapped_max: int
+    _graph_cap: int
+    flush_mode: str
     @property
     def _fast_begins(self) -> int: ...
     @property
@@ -274,6 +274,11 @@ class Activation:
         tb: TracebackType | None,
         /,
     ) -> Literal[False]: ...
+
+@disjoint_base
+class UpdateCore:
+    data: object
+    owned: bool
 
 @disjoint_base
 class BufferCore:

@@ -144,7 +144,17 @@ def _overlap(r1, r2) -> bool:
 # -- records --------------------------------------------------------------------------------
 
 
-class _Update:
+class _PyUpdateCore:
+    """A record's fields update()'s fast path reads (twin of ``cucopy._segment.UpdateCore``,
+    whose typed fields the compiled fast path reads without a look-up)."""
+
+    __slots__ = ("data", "owned")
+
+
+_UpdateCore = _segment.UpdateCore or _PyUpdateCore
+
+
+class _Update(_UpdateCore):  # type: ignore[misc,valid-type]
     """What an issued update wrote: ``data`` (uint8) at ``region``.
 
     ``owned``: ``data`` is a private copy this buffer made (never the caller's
@@ -152,7 +162,7 @@ class _Update:
     place with the next upload of as many bytes.
     """
 
-    __slots__ = ("data", "owned", "region", "base")
+    __slots__ = ("region", "base")
 
     def __init__(self, data, owned, region, base):
         self.data = data

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import sys
+import types
 import weakref
 
 import numpy as np
@@ -50,6 +51,24 @@ CHECK_MODE: bool = os.environ.get("CUCOPY_CHECK", "") not in ("", "0")
 REFUSE_UNROUTED: bool = os.environ.get("CUCOPY_CHECK_UNROUTED", "") not in ("", "0")
 
 _live = weakref.WeakSet()
+
+#: called with the new value whenever ``CHECK_MODE`` is assigned (the compiled core's
+#: ``_set_check_mode``: it keeps check mode as a C flag, never reading it by name)
+_on_check_mode: list = []
+
+
+class _CheckModule(types.ModuleType):
+    """This module's type: an assignment to ``CHECK_MODE`` (``monkeypatch.setattr``,
+    ``check.CHECK_MODE = True``) also tells :data:`_on_check_mode`'s listeners."""
+
+    def __setattr__(self, name, value):
+        super().__setattr__(name, value)
+        if name == "CHECK_MODE":
+            for listener in _on_check_mode:
+                listener(value)
+
+
+sys.modules[__name__].__class__ = _CheckModule
 
 
 def register(copier) -> None:

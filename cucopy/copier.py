@@ -26,6 +26,7 @@ from .segment import FastCopy as _FastCopy
 from .segment import FastRoute as _FastRoute
 from .segment import StepCore as _CompiledStepCore
 from .segment import context_id as _context_id
+from .segment import set_check_mode as _set_check_mode
 from .segment import thread_id as _thread_id
 from .sites import CopySite, Direction
 from .stats import CopyStats
@@ -256,7 +257,6 @@ class PyCopierCore:
         "_carry_max",
         "flush_mode",
         "_mapped_max",
-        "_check_mod",
         "_graph_cap",
         "__dict__",
         "__weakref__",
@@ -281,6 +281,9 @@ class PyCopierCore:
 _CopierCore = PyCopierCore if _CompiledCopierCore is None else _CompiledCopierCore
 #: whether begin(), flush() and the ring's step have compiled common cases to try
 _COMPILED = _CompiledCopierCore is not None
+if _set_check_mode is not None:  # the compiled core keeps check mode as a flag of its own
+    _set_check_mode(check.CHECK_MODE)
+    check._on_check_mode.append(_set_check_mode)
 
 
 class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
@@ -388,10 +391,8 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
             _say_incoherent(self._backend.describe(), flush_mode)
             self.flush_mode = "dma"
             self._graph_cap = 0
-        # the capture query begin() makes (compiled on CUDA once the kernels are loaded),
-        # and the module whose CHECK_MODE the compiled begin() reads
+        # the capture query begin() makes (compiled on CUDA once the kernels are loaded)
         self._cap_query, self._cap_arg = self._backend.capture_query(self._stream)
-        self._check_mod = check
         # the compiled carried launch the staging core makes in the call that cuts a
         # segment (None: cut, then the backend's scatter())
         self._launcher = self._backend.carried_launcher() if self._handle is not None else None
@@ -411,7 +412,7 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
         self._in_step = False
         self._stepping = False  # a step() block is open
         self._capturing = False
-        self._owner = None
+        self._owner = 0  # the thread whose step is open (thread_id; 0: none)
         self._slot = None
         self._checker = None
         self._cap_for = self._cap = -1  # slot size -> most descriptors reserved (_advance)
@@ -587,7 +588,7 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
         self._in_step = seg.fast = False
         self._feed = self._feed_pending = None
         self._checker = checker = check.Checker(self) if check.CHECK_MODE else None
-        self._capturing = capturing = self._backend.is_capturing(self._stream)
+        self._capturing = capturing = bool(self._backend.is_capturing(self._stream))
         if not capturing:
             try:
                 self._advance()

@@ -875,6 +875,10 @@ Activation = None
 #: the calling thread's current Context's address, which the compiled step records
 #: (``cucopy.copier._step_copier``; None with the pure-Python segment)
 context_id = None
+#: sets the compiled core's check-mode flag (None with the pure-Python segment)
+set_check_mode = None
+#: ``cucopy.buffer._PyUpdateCore``'s compiled twin (None with the pure-Python segment)
+UpdateCore = None
 if not os.environ.get("CUCOPY_PURE_PYTHON"):
     try:
         from . import _segment as _compiled
@@ -900,4 +904,6 @@ if not os.environ.get("CUCOPY_PURE_PYTHON"):
         Activation = _compiled.Activation
         thread_id = _compiled.thread_id
         context_id = _compiled._context_id
+        set_check_mode = _compiled._set_check_mode
+        UpdateCore = _compiled.UpdateCore
         IMPLEMENTATION = "compiled"

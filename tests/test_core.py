@@ -160,3 +160,66 @@ def test_module_level_copy_reaches_a_subclass_copy():
         cc.copy(Site.A, dst, np.array([1, 2], np.int32))
     assert seen == [Site.A] and dev.to_host(dst).tolist() == [1, 2]
     c.close()
+
+
+def test_the_copier_core_fields_are_typed():
+    # flags are C booleans, sizes C integers, the owner a thread id: a wrong type is
+    # refused where it is assigned, not found later by the compiled step
+    dev, c = _copier()
+    assert c._closed is False and c._in_step is False and c._owner == 0
+    with pytest.raises(TypeError):
+        c._closed = 1
+    with pytest.raises(TypeError):
+        c._cap = "big"
+    assert isinstance(c._carry_max, int) and isinstance(c._mapped_max, int)
+    c.flush_mode = "inline"
+    assert c.flush_mode == "inline"
+    with pytest.raises(AttributeError):
+        del c.flush_mode
+    with c.step():
+        assert c._in_step is True and c._owner == core.thread_id()
+        c.copy(Site.A, dev.zeros((2,), np.int32), np.array([1, 2], np.int32))
+    assert c._in_step is False
+    c.close()
+    assert c._closed is True
+
+
+def test_check_mode_reaches_the_core_when_assigned(monkeypatch):
+    # cucopy.check pushes every assignment of CHECK_MODE into the core's own flag: the
+    # compiled begin() declines (and the Python body runs the checks) while it is on
+    from cucopy import check
+
+    dev, c = _copier()
+    dst = dev.zeros((2,), np.int32)
+    for _ in range(2 * c._ring.slots):  # the ring's slots made: begin() is compiled
+        with c.step():
+            c.copy(Site.A, dst, np.array([1, 2], np.int32))
+    before = c._fast_begins
+    assert before > 0
+    monkeypatch.setattr(check, "CHECK_MODE", True)
+    with c.step():
+        c.copy(Site.A, dst, np.array([3, 4], np.int32))
+    assert c._fast_begins == before
+    monkeypatch.setattr(check, "CHECK_MODE", False)
+    for _ in range(2 * c._ring.slots):
+        with c.step():
+            c.copy(Site.A, dst, np.array([5, 6], np.int32))
+    assert c._fast_begins > before
+    assert dev.to_host(dst).tolist() == [5, 6]
+    c.close()
+
+
+def test_update_records_are_read_through_their_typed_fields():
+    from cucopy import buffer
+
+    assert issubclass(buffer._Update, core.UpdateCore)
+
+    class Renamed(core.UpdateCore):
+        @property
+        def data(self):  # a subclass that redefines a field is not read through it
+            return None
+
+    with pytest.raises(TypeError, match="keeps its data and owned fields"):
+        core.FastUpdate(len, len, buffer._copier._active, (None, None), Renamed)
+    with pytest.raises(TypeError):
+        buffer._Update(np.zeros(2, np.uint8), 1, region=(), base=None)  # owned: a bool

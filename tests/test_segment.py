@@ -791,14 +791,15 @@ def test_no_streaming_stores_with_cucopy_no_nt():
 def test_an_empty_step_flushes_in_the_compiled_call():
     # every copy of the step skipped (unchanged buffers): the compiled flush returns
     # at once, as flush()'s body would; with the slot's event owed it leaves the body
-    # to record it. The Python twin always leaves it to the body.
+    # to record it. The Python twin has no compiled flush: its body runs.
+    if not copier_module._COMPILED:
+        pytest.skip("the compiled core is not in use")
     dev, c = _sim_copier()
-    compiled = copier_module._CopierCore is not copier_module.PyCopierCore
     a = dev.zeros((8,), np.int32)
     with c.step():
         c.copy(Site.A, a, np.arange(8, dtype=np.int32))
     c.begin()
-    assert c._flush_fast() is compiled  # nothing staged, the new slot clean
+    assert c._flush_fast() is True  # nothing staged, the new slot clean
     c._ring.current.dirty = True  # as if an eager copy had used the slot
     assert c._flush_fast() is False
     c.flush()  # the body records the slot's event
@@ -809,7 +810,7 @@ def test_an_empty_step_flushes_in_the_compiled_call():
 
 def test_the_flush_mode_is_kept_as_the_interned_literal():
     # a mode built at run time (read from a config file) is stored as FLUSH_MODES' own
-    # string, which the compiled begin and flush compare by identity first
+    # string (the compiled core reads it once, as its enum, when it is set)
     dev = SimDevice(policy="lazy")
     mode = "".join(["map", "ped"])
     assert mode == "mapped" and mode is not copier_module.FLUSH_MODES[2]

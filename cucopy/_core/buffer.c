@@ -168,34 +168,56 @@ static PyTypeObject SkipCountsType = {
 
 /* -- FastUpdate: DeviceCopyBuffer.update ------------------------------------------ */
 
+/* -- UpdateCore: an issued update's record, the fields update()'s fast path reads --
+ * ``buffer._Update`` subclasses it (``buffer._PyUpdateCore`` is the Python twin: the same
+ * two slots). ``data``: the uint8 bytes written; ``owned``: a private copy the buffer may
+ * overwrite in place. */
+typedef struct {
+    PyObject_HEAD
+    PyObject *data;
+    char owned;
+} UpdateCore;
+
+#define UPDATE_FIELDS(X) X(data)
+GC_FIELDS(updatecore, UpdateCore, UPDATE_FIELDS)
+
+static PyMemberDef updatecore_members[] = {
+    {"data", T_OBJECT_EX, offsetof(UpdateCore, data), 0, "The uint8 bytes written."},
+    {"owned", T_BOOL, offsetof(UpdateCore, owned), 0,
+     "data is a private copy this buffer made (the fast path may overwrite it)."},
+    {NULL},
+};
+
+static PyTypeObject UpdateCoreType = CORE_TYPE(updatecore, UpdateCore, NULL,
+    "An issued update's record: the fields DeviceCopyBuffer.update()'s fast path reads "
+    "(compiled twin of cucopy.buffer._PyUpdateCore).");
+
 typedef struct {
     PyObject_HEAD
     PyObject *full, *rest, *var; /* the Python update, _update, the active-copier variable */
     PyObject *prefix;            /* the record key of prefix updates, (None, None) */
-    PyTypeObject *rectype;       /* buffer._Update: its slots read at their offsets */
-    Py_ssize_t off_data, off_owned;
+    PyTypeObject *rectype; /* buffer._Update: an UpdateCore whose fields it leaves as they are */
     vectorcallfunc vectorcall;
 } FastUpdate;
 
-/* a record's slot: at its offset for an exact _Update, else by name (new reference) */
-static inline PyObject *rec_slot(FastUpdate *f, PyObject *rec, Py_ssize_t off, PyObject *name) {
-    if (Py_TYPE(rec) == f->rectype && off > 0) {
-        PyObject *v = *(PyObject **)((char *)rec + off);
+/* a record's data: its typed field for an exact rectype, else by name (new reference) */
+static inline PyObject *rec_data(FastUpdate *f, PyObject *rec) {
+    if (Py_TYPE(rec) == f->rectype) {
+        PyObject *v = ((UpdateCore *)rec)->data;
         if (v) return Py_NewRef(v);
     }
-    return PyObject_GetAttr(rec, name);
+    return PyObject_GetAttr(rec, S->s_data);
 }
 
-/* the offset of a T_OBJECT_EX slot of tp (0 when it is not one) */
-static Py_ssize_t slot_offset(PyTypeObject *tp, const char *name) {
-    PyObject *n = PyUnicode_FromString(name);
-    if (!n) return -1;
-    PyObject *d = type_lookup(tp, n); /* borrowed */
-    Py_DECREF(n);
-    if (!d || !Py_IS_TYPE(d, &PyMemberDescr_Type)) return 0;
-    PyMemberDef *m = ((PyMemberDescrObject *)d)->d_member;
-    return m->type == T_OBJECT_EX && !(m->flags & READONLY) ? m->offset : 0;
+/* a record's owned flag: 1, 0, or -1 with an error set */
+static inline int rec_owned(FastUpdate *f, PyObject *rec) {
+    if (Py_TYPE(rec) == f->rectype) return ((UpdateCore *)rec)->owned;
+    PyObject *v = PyObject_GetAttr(rec, S->s_owned);
+    if (!v) return -1;
+    Py_DECREF(v);
+    return v == Py_True;
 }
+
 
 
 /* the object a weak reference refers to (borrowed; NULL when dead) */
@@ -338,8 +360,8 @@ static PyObject *fastupdate_body(FastUpdate *f, BufSnap *k, PyObject *const *arg
     PyObject *rec = PyDict_GetItemWithError(k->updates, f->prefix); /* (a str: hash kept) */
     if (!rec) { if (PyErr_Occurred()) goto fail_sc; goto rest_sc; }
     Py_INCREF(rec);
-    if (Py_TYPE(rec) != f->rectype) snap_hold(k); /* its slots read by name: Python */
-    PyObject *data = rec_slot(f, rec, f->off_data, S->s_data);
+    if (Py_TYPE(rec) != f->rectype) snap_hold(k); /* its fields read by name: Python */
+    PyObject *data = rec_data(f, rec);
     if (!data) { Py_DECREF(rec); goto fail_sc; }
     Py_ssize_t hn;
     if (!record_bytes(data, &hn)) goto rest_rec;
@@ -376,10 +398,9 @@ static PyObject *fastupdate_body(FastUpdate *f, BufSnap *k, PyObject *const *arg
         !PyDict_CheckExact(k->fills) || PyDict_GET_SIZE(k->fills) != 0 || k->pn != n ||
         !k->pdst || !(d->flags & NPY_WRITEABLE_FLAG))
         goto rest_rec;
-    PyObject *owned = rec_slot(f, rec, f->off_owned, S->s_owned);
-    if (!owned) goto fail_rec;
-    Py_DECREF(owned);
-    if (owned != Py_True) goto rest_rec;
+    int owned = rec_owned(f, rec);
+    if (owned < 0) goto fail_rec;
+    if (!owned) goto rest_rec;
     snap_hold(k); /* from here on Python code runs */
     PyObject *drop = PyObject_GetAttr(self, S->s_invalidate);
     if (!drop) goto fail_rec;
@@ -445,8 +466,16 @@ static PyObject *fastupdate_new(PyTypeObject *tp, PyObject *args, PyObject *kw) 
         return NULL;
     }
     if (PyObject_Hash(prefix) == -1) return NULL; /* (hashable: the look-ups need it) */
-    Py_ssize_t off_data = slot_offset(rectype, "data"), off_owned = slot_offset(rectype, "owned");
-    if (off_data < 0 || off_owned < 0) return NULL;
+    /* the record type's fields are UpdateCore's own (a subclass that redefines data or
+     * owned is read by name: no record is of rectype then) */
+    if (!PyType_IsSubtype(rectype, &UpdateCoreType) ||
+        type_lookup(rectype, S->s_data) != type_lookup(&UpdateCoreType, S->s_data) ||
+        type_lookup(rectype, S->s_owned) != type_lookup(&UpdateCoreType, S->s_owned)) {
+        PyErr_SetString(PyExc_TypeError,
+                        "FastUpdate: the record type must be an UpdateCore that keeps its "
+                        "data and owned fields");
+        return NULL;
+    }
     FastUpdate *f = (FastUpdate *)tp->tp_alloc(tp, 0);
     if (!f) return NULL;
     f->full = Py_NewRef(full);
@@ -454,8 +483,6 @@ static PyObject *fastupdate_new(PyTypeObject *tp, PyObject *args, PyObject *kw) 
     f->var = Py_NewRef(var);
     f->prefix = Py_NewRef(prefix);
     f->rectype = (PyTypeObject *)Py_NewRef(rectype);
-    f->off_data = off_data;
-    f->off_owned = off_owned;
     f->vectorcall = (vectorcallfunc)fastupdate_call;
     return (PyObject *)f;
 }
@@ -496,9 +523,10 @@ static PyTypeObject FastUpdateType = {
 /* the section's types and names, added to the module by PyInit__segment */
 static int buffer_section_init(PyObject *m) {
     if (PyType_Ready(&BufferCoreType) < 0 || PyType_Ready(&SkipCountsType) < 0 ||
-        PyType_Ready(&FastUpdateType) < 0)
+        PyType_Ready(&FastUpdateType) < 0 || PyType_Ready(&UpdateCoreType) < 0)
         return -1;
-    if (PyModule_AddObjectRef(m, "BufferCore", (PyObject *)&BufferCoreType) < 0 ||
+    if (PyModule_AddObjectRef(m, "UpdateCore", (PyObject *)&UpdateCoreType) < 0 ||
+        PyModule_AddObjectRef(m, "BufferCore", (PyObject *)&BufferCoreType) < 0 ||
         PyModule_AddObjectRef(m, "SkipCounts", (PyObject *)&SkipCountsType) < 0 ||
         PyModule_AddObjectRef(m, "FastUpdate", (PyObject *)&FastUpdateType) < 0)
         return -1;

@@ -20,16 +20,25 @@
  * These types (SlotCore, RingCore, CopierCore, StepCore, Activation) are the ring's
  * and the copier's compiled parts, built into this module so that one extension holds
  * the whole per-step path; they import nothing: the copier hands them what they read
- * (the check module, the capture query, the launcher). */
+ * (the capture query, the launcher; check mode is pushed into the module's state by
+ * cucopy.check whenever CHECK_MODE is set).
+ *
+ * The fields are the compiled class's own, typed: flags are C booleans (T_BOOL: Python
+ * must assign a bool), the owner a thread id (0: none), sizes and limits C integers, the
+ * flush mode an enum behind its attribute. Only references to objects stay objects. */
 
 typedef struct {
     PyObject_HEAD
-    PyObject *closed, *in_step, *owner, *seg, *checker, *feed, *feed_pending, *capturing;
-    PyObject *ring, *slot, *tables, *cap_for, *cap, *stepping, *stats, *cap_query, *cap_arg;
-    PyObject *launcher, *handle, *carry_max, *flush_mode; /* what a carried flush needs */
-    PyObject *mapped_max; /* the largest segment a mapped launch reads (auto's choice) */
-    PyObject *graph_cap;  /* mapped segments up to this many bytes launch graphed (0: none) */
-    PyObject *check_mod; /* cucopy.check, handed in by the copier (CHECK_MODE is read) */
+    char closed, in_step, capturing, stepping; /* _closed, _in_step, _capturing, _stepping */
+    unsigned long long owner; /* _owner: the thread whose step is open (thread_id; 0: none) */
+    long long cap_for, cap;   /* the slot size the table reservation is for, and it */
+    long long carry_max;      /* the largest carried launch (0: none) */
+    long long mapped_max;     /* the largest segment a mapped launch reads (-1: none) */
+    long long graph_cap;      /* mapped segments up to this many bytes launch graphed */
+    int mode;                 /* flush_mode as MODE_* */
+    PyObject *mode_str;       /* flush_mode as set (the interned literal) */
+    PyObject *seg, *checker, *feed, *feed_pending, *ring, *slot, *tables, *stats;
+    PyObject *cap_query, *cap_arg, *launcher, *handle;
     long long fast_begins, fast_flushes;
     /* counts of stats' totals the fast paths took, not yet folded into stats (a
      * Python attribute += costs ~0.1 us a time): _take_counts() hands them over */
@@ -46,10 +55,8 @@ typedef struct {
 #define PLAIN_BEGIN 1
 #define PLAIN_FLUSH 2
 
-#define COPIER_FIELDS(X) X(closed) X(in_step) X(owner) X(seg) X(checker) X(feed) \
-    X(feed_pending) X(capturing) X(ring) X(slot) X(tables) X(cap_for) X(cap) X(stepping) \
-    X(stats) X(cap_query) X(cap_arg) X(launcher) X(handle) X(carry_max) X(flush_mode) \
-    X(mapped_max) X(check_mod) X(graph_cap) X(fastcopy)
+#define COPIER_FIELDS(X) X(mode_str) X(seg) X(checker) X(feed) X(feed_pending) X(ring) \
+    X(slot) X(tables) X(stats) X(cap_query) X(cap_arg) X(launcher) X(handle) X(fastcopy)
 
 GC_FIELDS(copiercore, CopierCore, COPIER_FIELDS)
 
@@ -88,54 +95,34 @@ static int not_capturing(CopierCore *c, CarriedLauncher *L) {
 /* 1: no step is open, or the open one is thread me's (as the Python
  * ``not (c._in_step and c._owner != me)``); 0: another thread's, or not plain fields */
 static int step_is_callers(CopierCore *c, uint64_t me) {
-    if (c->in_step == Py_False) return 1;
-    if (c->in_step != Py_True || !c->owner || !PyLong_CheckExact(c->owner)) return 0;
-    unsigned long long owner = PyLong_AsUnsignedLongLong(c->owner);
-    if (PyErr_Occurred()) {
-        PyErr_Clear();
-        return 0;
-    }
-    return owner == me;
+    return !c->in_step || c->owner == me;
 }
 
 static int64_t nt_from_for(CopierCore *c);
 
 static PyObject *copiercore_begin_fast(CopierCore *c, PyObject *unused) {
-    if (c->closed != Py_False || !c->seg || Py_TYPE(c->seg) != &SegmentType ||
-        c->checker != Py_None || !c->ring || !PyObject_TypeCheck(c->ring, &RingCoreType) ||
-        !c->stats)
+    if (c->closed || !c->seg || Py_TYPE(c->seg) != &SegmentType || c->checker != Py_None ||
+        !c->ring || !PyObject_TypeCheck(c->ring, &RingCoreType) || !c->stats)
         Py_RETURN_FALSE;
     uint64_t me = thread_id();
     if (!step_is_callers(c, me)) Py_RETURN_FALSE;
     Segment *seg = (Segment *)c->seg;
     if (nstaged(seg)) Py_RETURN_FALSE; /* staged: flushed first */
-    if (!c->check_mod) Py_RETURN_FALSE;
-    PyObject *mode = PyObject_GetAttr(c->check_mod, S->s_check_mode);
-    if (!mode) {
-        if (soft_clear() < 0) return NULL;
-        Py_RETURN_FALSE;
-    }
-    Py_DECREF(mode);
-    if (mode != Py_False) Py_RETURN_FALSE;
+    if (S->check_mode) Py_RETURN_FALSE; /* (pushed by cucopy.check: _set_check_mode) */
     int idle = not_capturing(c, NULL);
     if (idle < 0) return NULL;
     if (!idle) Py_RETURN_FALSE;
-    long long cap_for, cap;
-    if (!c->tables || !c->cap_for || !c->cap || !int_field(c->cap_for, &cap_for) ||
-        !int_field(c->cap, &cap)) {
-        PyErr_Clear();
-        Py_RETURN_FALSE;
-    }
-    long long cap_for0 = cap_for, cap0 = cap;
+    long long cap_for = c->cap_for, cap = c->cap;
+    if (!c->tables) Py_RETURN_FALSE;
     PyObject *slot;
     int adv = ring_advance((RingCore *)c->ring, c->seg, c->tables, &cap_for, &cap, &slot);
     if (adv < 0) {
         /* the ring took its step but binding failed: as begin() leaves it */
-        Py_SETREF(c->in_step, Py_NewRef(Py_False));
+        c->in_step = 0;
         seg->fast = 0;
         Py_SETREF(c->feed, Py_NewRef(Py_None));
         Py_SETREF(c->feed_pending, Py_NewRef(Py_None));
-        Py_SETREF(c->capturing, Py_NewRef(Py_False));
+        c->capturing = 0;
         Py_SETREF(c->slot, Py_NewRef(Py_None));
         seg_release(seg);
         seg->seg = -1;
@@ -144,26 +131,16 @@ static PyObject *copiercore_begin_fast(CopierCore *c, PyObject *unused) {
     }
     if (adv == 0) Py_RETURN_FALSE;
     /* the step is open from here: the fields as DeviceCopier._advance sets them */
-    PyObject *owner = PyLong_FromUnsignedLongLong(me);
-    if (!owner) return NULL;
-    if (cap_for != cap_for0 || cap != cap0) { /* a slot of another size (rare) */
-        PyObject *f = PyLong_FromLongLong(cap_for), *k = f ? PyLong_FromLongLong(cap) : NULL;
-        if (!k) {
-            Py_XDECREF(f);
-            Py_DECREF(owner);
-            return NULL;
-        }
-        Py_SETREF(c->cap_for, f);
-        Py_SETREF(c->cap, k);
-    }
+    c->cap_for = cap_for; /* (another size when the slot is: rare) */
+    c->cap = cap;
     seg->nt_from = nt_from_for(c);
     c->n_steps++; /* stats.steps += 1, folded when stats is read */
     Py_SETREF(c->slot, Py_NewRef(slot));
     Py_SETREF(c->feed, Py_NewRef(Py_None));
     Py_SETREF(c->feed_pending, Py_NewRef(Py_None));
-    Py_SETREF(c->capturing, Py_NewRef(Py_False));
-    Py_SETREF(c->owner, owner);
-    Py_SETREF(c->in_step, Py_NewRef(Py_True));
+    c->capturing = 0;
+    c->owner = me;
+    c->in_step = 1;
     seg->fast = 1;
     seg->owner = me;
     c->fast_begins++;
@@ -173,8 +150,8 @@ static PyObject *copiercore_begin_fast(CopierCore *c, PyObject *unused) {
 /* stats.modes[how] += 1, stats.segments += 1, stats.bytes_staged += total: counted
  * here, folded into stats when it is read (CopyStats.pending_totals) */
 
-/* The copier's flush mode: one of the interned literals unless set from another
- * string (then compared character by character). */
+/* The copier's flush mode as its enum: read once, when flush_mode is set (the literal
+ * itself is kept for Python to read back). */
 enum { MODE_OTHER, MODE_AUTO, MODE_INLINE, MODE_MAPPED, MODE_DMA };
 static int flush_mode_kind(PyObject *fm) {
     if (fm == S->s_auto) return MODE_AUTO;
@@ -194,14 +171,9 @@ static int flush_mode_kind(PyObject *fm) {
  * largest carry (the rest may travel in a launch, which the driver copies on the host). */
 static int64_t nt_from_for(CopierCore *c) {
     if (S->nt_off) return -1;
-    int kind = flush_mode_kind(c->flush_mode);
+    int kind = c->mode;
     if (kind == MODE_MAPPED || kind == MODE_DMA) return 0;
-    long long cm;
-    if (kind == MODE_OTHER || !c->carry_max || !int_field(c->carry_max, &cm)) {
-        PyErr_Clear();
-        return -1;
-    }
-    return cm;
+    return kind == MODE_OTHER ? -1 : c->carry_max;
 }
 
 static void count_segment(CopierCore *c, PyObject *how, int64_t total) {
@@ -219,8 +191,8 @@ static PyObject *copiercore_take_counts(CopierCore *c, PyObject *unused) {
 }
 
 static PyObject *copiercore_flush_fast(CopierCore *c, PyObject *unused) {
-    if (c->closed != Py_False || !c->seg || Py_TYPE(c->seg) != &SegmentType ||
-        c->checker != Py_None || !c->ring || !PyObject_TypeCheck(c->ring, &RingCoreType) ||
+    if (c->closed || !c->seg || Py_TYPE(c->seg) != &SegmentType || c->checker != Py_None ||
+        !c->ring || !PyObject_TypeCheck(c->ring, &RingCoreType) ||
         !step_is_callers(c, thread_id()))
         Py_RETURN_FALSE;
     Segment *seg = (Segment *)c->seg;
@@ -234,11 +206,11 @@ static PyObject *copiercore_flush_fast(CopierCore *c, PyObject *unused) {
             Py_RETURN_TRUE;
         Py_RETURN_FALSE;
     }
-    if (!c->launcher || !PyCapsule_CheckExact(c->launcher) || !c->handle || !c->carry_max ||
+    if (!c->launcher || !PyCapsule_CheckExact(c->launcher) || !c->handle ||
         !c->slot || !PyObject_TypeCheck(c->slot, &SlotCoreType) || !c->stats)
         Py_RETURN_FALSE;
     /* carried whole when it fits (inline, auto); else read mapped (mapped, auto) */
-    int kind = flush_mode_kind(c->flush_mode);
+    int kind = c->mode;
     int carries = kind == MODE_AUTO || kind == MODE_INLINE;
     int mapped_only = kind == MODE_MAPPED;
     int is_auto = kind == MODE_AUTO;
@@ -247,9 +219,8 @@ static PyObject *copiercore_flush_fast(CopierCore *c, PyObject *unused) {
     if (!seg->bound || seg->slot != c->slot || !slot->base) Py_RETURN_FALSE;
     CarriedLauncher *L = PyCapsule_GetPointer(c->launcher, LAUNCHER_NAME);
     unsigned long long stream, dev;
-    long long inline_max;
-    if (!L || !u64_field(c->handle, &stream) || !int_field(c->carry_max, &inline_max) ||
-        !u64_field(slot->base, &dev)) {
+    long long inline_max = c->carry_max;
+    if (!L || !u64_field(c->handle, &stream) || !u64_field(slot->base, &dev)) {
         PyErr_Clear();
         Py_RETURN_FALSE;
     }
@@ -257,7 +228,7 @@ static PyObject *copiercore_flush_fast(CopierCore *c, PyObject *unused) {
     long long mapped_max = -1;
     unsigned long long event = 0;
     CarriedLauncher *E = L->abi == LAUNCHER_ABI && L->record && L->query ? L : NULL;
-    if (E && c->mapped_max && int_field(c->mapped_max, &mapped_max) &&
+    if (E && (mapped_max = c->mapped_max) >= 0 &&
         ring->current == c->slot && ring->events && PyList_CheckExact(ring->events)) {
         long long index;
         if (!int_field(ring->index, &index) || index < 0 ||
@@ -278,10 +249,9 @@ static PyObject *copiercore_flush_fast(CopierCore *c, PyObject *unused) {
     if (cut_impl(seg, carries ? inline_max : -1, &off, &end, &nblocks, &n) < 0) return NULL;
     int64_t total = end - off, head = HEADER_BYTES + (int64_t)n * DESC_BYTES;
     PyObject *how;
-    long long gcap = 0;
+    long long gcap = c->graph_cap;
     if (mapped_max >= 0 && (mapped_only || (is_auto && total <= mapped_max)) && E->graphed &&
-        c->graph_cap &&
-        int_field(c->graph_cap, &gcap) && gcap > 0 && (size_t)gcap <= E->graph_cap &&
+        gcap > 0 && (size_t)gcap <= E->graph_cap &&
         total <= gcap && off + gcap <= (int64_t)seg->view.len && off + gcap <= seg->top) {
         /* _land's graphed launch (mapped, and auto: half a carried launch's host
          * time): its kernel reads gcap bytes at the segment when it runs, so the
@@ -369,16 +339,17 @@ static PyMethodDef copiercore_methods[] = {
 };
 
 #define MEMBER(name, f) {name, T_OBJECT_EX, offsetof(CopierCore, f), 0, NULL},
+#define TYPED(name, T, f) {name, T, offsetof(CopierCore, f), 0, NULL},
 static PyMemberDef copiercore_members[] = {
-    MEMBER("_closed", closed) MEMBER("_in_step", in_step) MEMBER("_owner", owner)
+    TYPED("_closed", T_BOOL, closed) TYPED("_in_step", T_BOOL, in_step)
+    TYPED("_capturing", T_BOOL, capturing) TYPED("_stepping", T_BOOL, stepping)
+    TYPED("_owner", T_ULONGLONG, owner) TYPED("_cap_for", T_LONGLONG, cap_for)
+    TYPED("_cap", T_LONGLONG, cap) TYPED("_carry_max", T_LONGLONG, carry_max)
+    TYPED("_mapped_max", T_LONGLONG, mapped_max) TYPED("_graph_cap", T_LONGLONG, graph_cap)
     MEMBER("_seg", seg) MEMBER("_checker", checker) MEMBER("_feed", feed)
-    MEMBER("_feed_pending", feed_pending) MEMBER("_capturing", capturing)
-    MEMBER("_ring", ring) MEMBER("_slot", slot) MEMBER("_tables", tables)
-    MEMBER("_cap_for", cap_for) MEMBER("_cap", cap) MEMBER("_stepping", stepping)
-    MEMBER("stats", stats) MEMBER("_cap_query", cap_query) MEMBER("_cap_arg", cap_arg)
-    MEMBER("_launcher", launcher) MEMBER("_handle", handle) MEMBER("_carry_max", carry_max)
-    MEMBER("_mapped_max", mapped_max) MEMBER("_graph_cap", graph_cap)
-    MEMBER("flush_mode", flush_mode) MEMBER("_check_mod", check_mod)
+    MEMBER("_feed_pending", feed_pending) MEMBER("_ring", ring) MEMBER("_slot", slot)
+    MEMBER("_tables", tables) MEMBER("stats", stats) MEMBER("_cap_query", cap_query)
+    MEMBER("_cap_arg", cap_arg) MEMBER("_launcher", launcher) MEMBER("_handle", handle)
     {"_fast_begins", T_LONGLONG, offsetof(CopierCore, fast_begins), READONLY,
      "Steps begun by _begin_fast."},
     {"_fast_flushes", T_LONGLONG, offsetof(CopierCore, fast_flushes), READONLY,
@@ -392,12 +363,38 @@ static PyMemberDef copiercore_members[] = {
     {NULL},
 };
 #undef MEMBER
+#undef TYPED
+
+static PyObject *copiercore_get_flush_mode(CopierCore *c, void *unused) {
+    if (!c->mode_str) {
+        PyErr_SetString(PyExc_AttributeError, "flush_mode");
+        return NULL;
+    }
+    return Py_NewRef(c->mode_str);
+}
+
+static int copiercore_set_flush_mode(CopierCore *c, PyObject *v, void *unused) {
+    if (!v) {
+        PyErr_SetString(PyExc_AttributeError, "flush_mode cannot be deleted");
+        return -1;
+    }
+    c->mode = flush_mode_kind(v); /* (DeviceCopier validates it first) */
+    Py_XSETREF(c->mode_str, Py_NewRef(v));
+    return 0;
+}
+
+static PyGetSetDef copiercore_getset[] = {
+    {"flush_mode", (getter)copiercore_get_flush_mode, (setter)copiercore_set_flush_mode,
+     "How a segment lands: 'dma', 'mapped', 'inline' or 'auto'.", NULL},
+    {NULL},
+};
 
 /* A new copier core: its class's plain methods resolved once (public look-ups on its
  * MRO; per step the core reads the bits, not the class) */
 static PyObject *copiercore_new(PyTypeObject *tp, PyObject *args, PyObject *kw) {
     CopierCore *c = (CopierCore *)PyType_GenericNew(tp, args, kw);
     if (!c) return NULL;
+    c->cap_for = c->cap = c->mapped_max = -1; /* (DeviceCopier.__init__ sets them all) */
     PyObject *m;
     if (S->plain_begin && type_lookup(tp, S->s_begin) == S->plain_begin) c->plain |= PLAIN_BEGIN;
     if (S->plain_flush && type_lookup(tp, S->s_flush) == S->plain_flush) c->plain |= PLAIN_FLUSH;
@@ -505,7 +502,7 @@ static PyObject *stepcore_enter(StepCore *st, PyObject *unused) {
     if (o && st->graph == Py_None && PyObject_TypeCheck(o, &CopierCoreType) &&
         (((CopierCore *)o)->plain & PLAIN_BEGIN)) {
         CopierCore *c = (CopierCore *)o;
-        if (c->stepping == Py_False && c->closed == Py_False) {
+        if (!c->stepping && !c->closed) {
             Py_INCREF(o); /* held: begin runs Python code on some backends */
             PyObject *r = copiercore_begin_fast(c, NULL);
             if (!r) {
@@ -514,7 +511,7 @@ static PyObject *stepcore_enter(StepCore *st, PyObject *unused) {
             }
             Py_DECREF(r);
             if (r == Py_True) {
-                Py_SETREF(c->stepping, Py_NewRef(Py_True));
+                c->stepping = 1;
                 c->step_ctx = (long long)(uintptr_t)ctx; /* the block's context */
                 c->step_seq = ++S->step_counter;
                 return o; /* (the reference held above) */
@@ -547,11 +544,11 @@ static PyObject *stepcore_exit(StepCore *st, PyObject *const *args, Py_ssize_t n
     }
     CopierCore *c = (CopierCore *)Py_NewRef(o); /* held: flush() runs Python code */
     c->step_ctx = 0;
-    Py_SETREF(c->stepping, Py_NewRef(Py_False));
+    c->stepping = 0;
     PyObject *r = step_flush(c);
     /* finally: the step is over, whatever flush() did (its segment read again: that
      * code may have replaced it) */
-    Py_SETREF(c->in_step, Py_NewRef(Py_False));
+    c->in_step = 0;
     if (c->seg && Py_TYPE(c->seg) == &SegmentType) ((Segment *)c->seg)->fast = 0;
     Py_DECREF(c);
     if (!r) return NULL;
@@ -661,7 +658,17 @@ static PyObject *mod_set_foreign(PyObject *m, PyObject *arg) {
     return PyLong_FromUnsignedLong(old);
 }
 
+static PyObject *mod_set_check_mode(PyObject *m, PyObject *arg) {
+    int on = PyObject_IsTrue(arg);
+    if (on < 0) return NULL;
+    S->check_mode = on;
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef module_methods[] = {
+    {"_set_check_mode", mod_set_check_mode, METH_O,
+     "_set_check_mode(on): check mode as cucopy.check.CHECK_MODE says (its module pushes "
+     "every assignment here; the compiled begin() declines while it is on)."},
     {"_set_foreign", mod_set_foreign, METH_O,
      "_set_foreign(bits) -> the bits before: which reads of other libraries' internals the "
      "core makes (1 NumPy's array fields, 2 native getters, 4 a tensor's handle word, 8 its "

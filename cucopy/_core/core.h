@@ -72,7 +72,7 @@ typedef struct CoreState {
     PyObject *s_dtype, *s_spec, *s_view, *s_native, *s_flags, *s_array, *s_top, *s_bottom,
         *s_headroom, *s_seg, *s_after_barrier, *s_unchanged, *s_on_drop, *s_copy, *s_force,
         *s_viewkw, *s_key, *s_exact, *s_data, *s_owned, *s_invalidate, *s_backend,
-        *s_event_query, *s_check_mode, *s_inline, *s_mapped, *s_auto, *s_dma, *s_enter,
+        *s_event_query, *s_inline, *s_mapped, *s_auto, *s_dma, *s_enter,
         *s_exit, *s_flush, *s_begin, *s_flush_failed, *s_flush_rest;
     PyObject *ndarray_type; /* numpy.ndarray */
     PyObject *uint8_descr;  /* numpy.dtype("uint8") */
@@ -86,6 +86,7 @@ typedef struct CoreState {
     long long native_word_reads; /* validations through a tensor's handle word (tests) */
     long long step_counter;      /* step() blocks entered (the innermost has the largest) */
     int nt_off;                  /* CUCOPY_NO_NT at import: no streaming stores */
+    int check_mode;              /* cucopy.check.CHECK_MODE, pushed (_set_check_mode) */
     unsigned foreign;            /* the foreign reads in use (FOREIGN_* bits, foreign.c) */
 } CoreState;
 

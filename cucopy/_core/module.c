@@ -28,7 +28,7 @@ static const struct {
     NAME(s_force, "force") NAME(s_viewkw, "view") NAME(s_key, "key") NAME(s_exact, "exact")
     NAME(s_data, "data") NAME(s_owned, "owned") NAME(s_invalidate, "invalidate")
     NAME(s_backend, "backend") NAME(s_event_query, "event_query")
-    NAME(s_check_mode, "CHECK_MODE") NAME(s_inline, "inline") NAME(s_mapped, "mapped")
+    NAME(s_inline, "inline") NAME(s_mapped, "mapped")
     NAME(s_auto, "auto") NAME(s_dma, "dma") NAME(s_enter, "_enter") NAME(s_exit, "_exit")
     NAME(s_flush, "flush") NAME(s_begin, "begin") NAME(s_flush_failed, "_flush_failed")
     NAME(s_flush_rest, "_flush_rest")
@@ -120,6 +120,7 @@ static int module_exec(PyObject *m) {
     if (!st->uint8_descr) return -1;
     StepCoreType.tp_init = (initproc)stepcore_init;
     CopierCoreType.tp_new = copiercore_new;
+    CopierCoreType.tp_getset = copiercore_getset;
     ActivationType.tp_init = (initproc)activation_init;
     for (size_t i = 0; i < sizeof types / sizeof types[0]; i++)
         if (PyType_Ready(types[i]) < 0) return -1;
