@@ -195,7 +195,7 @@ static PyTypeObject UpdateCoreType = CORE_TYPE(updatecore, UpdateCore, NULL,
 typedef struct {
     PyObject_HEAD
     PyObject *full, *rest, *var; /* the Python update, _update, the active-copier variable */
-    PyObject *prefix;            /* the record key of prefix updates, (None, None) */
+    PyObject *prefix; /* the record key of prefix updates (buffer._PREFIX: an identity hash) */
     PyTypeObject *rectype; /* buffer._Update: an UpdateCore whose fields it leaves as they are */
     vectorcallfunc vectorcall;
 } FastUpdate;
@@ -357,7 +357,7 @@ static PyObject *fastupdate_body(FastUpdate *f, BufSnap *k, PyObject *const *arg
         }
     }
     /* the record (its slots read at their offsets: no Python for an exact _Update) */
-    PyObject *rec = PyDict_GetItemWithError(k->updates, f->prefix); /* (a str: hash kept) */
+    PyObject *rec = PyDict_GetItemWithError(k->updates, f->prefix); /* (its hash: identity) */
     if (!rec) { if (PyErr_Occurred()) goto fail_sc; goto rest_sc; }
     Py_INCREF(rec);
     if (Py_TYPE(rec) != f->rectype) snap_hold(k); /* its fields read by name: Python */
