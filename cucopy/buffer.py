@@ -272,6 +272,7 @@ def _bytes(arr: np.ndarray) -> np.ndarray:
 # with no Python frame; the classes below are its reference, used when the segment is
 # the pure-Python one (CUCOPY_PURE_PYTHON=1, or no compiler).
 
+
 class _PrefixSlot:
     """The record slot of prefix updates without a key: a singleton whose hash is its
     identity's (the compiled update looks it up in the records on every call; a tuple's

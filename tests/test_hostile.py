@@ -524,3 +524,67 @@ def test_an_interrupt_inside_discard_still_tells_the_owners(dev, monkeypatch):
     assert drops == [1] and c.staged == 0 and not c.in_step
     _steps(c, dst, np.arange(4) + 3, n=1)
     np.testing.assert_array_equal(dev.to_host(dst), np.arange(4) + 3)
+
+
+def test_a_capture_query_that_closes_the_copier_leaves_begin_safe(dev):
+    # begin()'s capture query may be Python code; one that closes the copier leaves the
+    # compiled begin() nothing to open (it checks again after the query): the step is
+    # refused as any closed copier's is
+    c = _copier(dev)
+    dst = dev.zeros((4,), np.int32)
+    for _ in range(2 * c._ring.slots):  # the ring's slots made: begin() is compiled
+        with c.step():
+            c.copy(Site.A, dst, np.arange(4, dtype=np.int32))
+    query = c._cap_query
+    called = []
+
+    def closing(arg):
+        called.append(arg)
+        c._cap_query = query
+        c.close()
+        return query(arg)
+
+    c._cap_query = closing
+    from cucopy import copier
+
+    try:
+        c.begin()
+    except cc.CopyError as e:
+        assert called and "closed" in str(e)
+    else:  # (the Python begin() asks the backend itself, not this query)
+        assert not called and not copier._COMPILED
+        c.discard()
+        c.close()
+    assert called or not copier._COMPILED
+    assert c.closed
+    assert dev.to_host(dst).tolist() == [0, 1, 2, 3]
+
+
+def test_an_on_drop_dropped_with_its_entries_may_stage_again(dev):
+    # the segment's entries are dropped when it lands, inside the step's exit; the last
+    # reference to an on_drop going may run Python that stages through the same copier
+    # into the segment being dropped: every entry is dropped once, the new ones land
+    c = _copier(dev)
+    dst = [dev.zeros((4,), np.int32) for _ in range(6)]
+    late = [dev.zeros((4,), np.int32) for _ in range(3)]
+    done = []
+
+    class Stager:
+        def __call__(self, *args):
+            pass
+
+        def __del__(self):
+            if not done:
+                for k, d in enumerate(late):
+                    done.append(c.copy(Site.A, d, np.full(4, 7 + k, np.int32)))
+
+    with c.step():
+        for i, d in enumerate(dst):
+            c.copy(Site.A, d, np.full(4, i, np.int32), on_drop=Stager() if i == 0 else None)
+    gc.collect()
+    with c.step():
+        c.copy(Site.A, dst[0], np.full(4, 9, np.int32))
+    c.close()
+    assert done == [True] * 3
+    assert [dev.to_host(d).tolist()[0] for d in dst] == [9, 1, 2, 3, 4, 5]
+    assert [dev.to_host(d).tolist() for d in late] == [[7] * 4, [8] * 4, [9] * 4]

@@ -67,8 +67,10 @@ static PyTypeObject CopierCoreType;
  * BaseException raised by the query (propagated). With
  * the launcher's own capture query and a raw stream handle, straight from C (the same
  * query as cap_query, the Driver's is_capturing, without a Python call). L: the
- * copier's launcher when the caller has it already, else NULL (looked up here). */
-static int not_capturing(CopierCore *c, CarriedLauncher *L) {
+ * copier's launcher when the caller has it already, else NULL (looked up here).
+ * c_only: never call Python (0 when only the Python query could tell): a caller
+ * holding borrowed pointers into the copier's state asks this way. */
+static int not_capturing(CopierCore *c, CarriedLauncher *L, int c_only) {
     if (!c->cap_query || c->cap_query == Py_None || !c->cap_arg) return 0;
     if (c->handle == c->cap_arg && !L && c->launcher && PyCapsule_CheckExact(c->launcher)) {
         L = PyCapsule_GetPointer(c->launcher, LAUNCHER_NAME);
@@ -80,6 +82,7 @@ static int not_capturing(CopierCore *c, CarriedLauncher *L) {
         int status = -1;
         return L->capturing(L->drv, stream, &status) == 0 && status == 0;
     }
+    if (c_only) return 0;
     PyObject *st = PyObject_CallOneArg(c->cap_query, c->cap_arg);
     if (!st) return soft_clear(); /* 0 (the Python path asks again), or -1 */
     int idle = st == Py_False;
@@ -109,9 +112,15 @@ static PyObject *copiercore_begin_fast(CopierCore *c, PyObject *unused) {
     Segment *seg = (Segment *)c->seg;
     if (nstaged(seg)) Py_RETURN_FALSE; /* staged: flushed first */
     if (S->check_mode) Py_RETURN_FALSE; /* (pushed by cucopy.check: _set_check_mode) */
-    int idle = not_capturing(c, NULL);
+    int idle = not_capturing(c, NULL, 0);
     if (idle < 0) return NULL;
     if (!idle) Py_RETURN_FALSE;
+    /* the query may have been Python code: what was checked above is checked again (seg
+     * compared by address first: dereferenced only while the copier still holds it) */
+    if (c->closed || (PyObject *)seg != c->seg || c->checker != Py_None || !c->ring ||
+        !PyObject_TypeCheck(c->ring, &RingCoreType) || !c->stats || S->check_mode ||
+        !step_is_callers(c, me) || nstaged(seg))
+        Py_RETURN_FALSE;
     long long cap_for = c->cap_for, cap = c->cap;
     if (!c->tables) Py_RETURN_FALSE;
     PyObject *slot;
@@ -240,7 +249,7 @@ static PyObject *copiercore_flush_fast(CopierCore *c, PyObject *unused) {
     }
     PyErr_Clear();
     if (mapped_only && mapped_max < 0) Py_RETURN_FALSE;
-    int idle = not_capturing(c, L);
+    int idle = not_capturing(c, L, 1); /* (no Python: seg, slot, ring and L are borrowed) */
     if (idle < 0) return NULL;
     if (!idle) Py_RETURN_FALSE;
     /* from here on as _flush_segment: an error is flush()'s to report (the segment cut) */

@@ -152,11 +152,21 @@ typedef struct {
 
 /* drop the raw entries (a segment landed or reset: nothing reads them any more) */
 static void raw_drop(Segment *s) {
-    Py_ssize_t n = s->nraw;
-    s->nraw = 0;
+    /* the array is taken out first: a reference dropped here may run Python code (an
+     * on_drop's __del__) that stages into this segment again */
+    Raw *raw = s->raw;
+    Py_ssize_t n = s->nraw, cap = s->rawcap;
+    s->raw = NULL;
+    s->nraw = s->rawcap = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
-        Py_DECREF(s->raw[i].site);
-        Py_XDECREF(s->raw[i].on_drop);
+        Py_DECREF(raw[i].site);
+        Py_XDECREF(raw[i].on_drop);
+    }
+    if (!s->raw) { /* nothing staged meanwhile: the array is kept with its capacity */
+        s->raw = raw;
+        s->rawcap = cap;
+    } else {
+        PyMem_Free(raw);
     }
 }
 
