@@ -939,14 +939,11 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
 
     # -- validation ----------------------------------------------------------------------
 
-    def _resolve(self, site, what, x) -> ArrayInfo:
-        try:
-            return resolve(x, self._handle)
-        except TypeError as exc:
-            raise TypeError(f"{_label(site)}: {what}: {exc}") from None
-
     def _dst(self, site, dst) -> ArrayInfo:
-        info = self._resolve(site, "dst", dst)
+        try:
+            info = resolve(dst, self._handle)
+        except TypeError as exc:
+            raise TypeError(f"{_label(site)}: dst: {exc}") from None
         if info.device is None:
             raise ValueError(
                 f"{_label(site)}: destination must be device memory, got host memory {info.label}"
@@ -961,7 +958,10 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
         return info
 
     def _src(self, site, src, direction) -> ArrayInfo:
-        info = self._resolve(site, "src", src)
+        try:
+            info = resolve(src, self._handle)
+        except TypeError as exc:
+            raise TypeError(f"{_label(site)}: src: {exc}") from None
         if direction is _H2D:
             if info.device is not None:
                 raise ValueError(
@@ -1190,9 +1190,9 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
             if self._backend.is_capturing(self._stream):
                 return self._capture_h2d(site, d, s)
             return self._outside(site, d, s, None)
-        f = _layout.form(d.ptr, d.shape, d.strides, d.dtype.itemsize)
         if site not in self._merge:
             return self._eager_h2d(site, d, s, None)
+        f = _layout.form(d.ptr, d.shape, d.strides, d.dtype.itemsize)
         if f is None or not pack.fits(*f[1:]):
             return self._eager_h2d(site, d, s, "layout")
         ptr, rows, width, pitch = f
@@ -1208,12 +1208,15 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
         e, off = self._stage(site, on_drop, lo, hi, f, nbytes, desc, True)
         if e is None:
             return self._eager_h2d(site, d, s, "slot_full")
-        _snapshot(self._slot.array, off, s, nbytes)
+        slot = self._slot
+        _snapshot(slot.array, off, s, nbytes, slot.mv)
         return self._landed_by_barrier(site, e, d, None)
 
     def _count_eager(self, site, reason) -> bool:
         """Count an eager copy, with its fallback reason for a merged site."""
-        st = self.stats.sites[site]
+        # the counters themselves: stats.sites would fold the pending merged counts first,
+        # which an eager count neither needs nor changes
+        st = self.stats._sites[site]
         st.eager += 1
         if reason is not None:
             st.fallback[reason] += 1
@@ -1277,17 +1280,38 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
 
     def _eager_h2d(self, site, d, s, reason) -> bool:
         self._refuse_capture_change(site)
-        lo, hi = _layout.extent(d.ptr, d.shape, d.strides, d.dtype.itemsize)
-        if self._seg.overlaps(lo, hi):
+        it = d.dtype.itemsize
+        dptr, shape, strides = d.ptr, d.shape, d.strides
+        # one 2-D form (most destinations): its strides are positive, so its bytes span
+        # exactly the view's extent, and it is the view's one block
+        f = _layout.form(dptr, shape, strides, it)
+        if f is not None:
+            ptr, rows, width, pitch = f
+            nbytes = rows * width
+            lo, hi = ptr, ptr + (rows - 1) * pitch + width
+        else:
+            nbytes = d.nbytes
+            lo, hi = _layout.extent(dptr, shape, strides, it)
+        seg = self._seg
+        if seg.staged and seg.overlaps(lo, hi):  # (nothing staged overlaps nothing)
             self._order_flush()
-        nbytes = d.nbytes
-        host_ptr, buf, off = self._eager_space(nbytes)
-        _snapshot(buf, off, s, nbytes)
-        pos = 0
-        for ptr, rows, width, pitch in _layout.blocks(d.ptr, d.shape, d.strides, d.dtype.itemsize):
-            self._backend.copy2d(True, ptr, pitch, host_ptr + pos, width, width, rows, self._stream)
-            pos += rows * width
-        self._slot.dirty = True
+        slot = self._slot
+        top = seg.take_top(nbytes)
+        if top >= 0:  # _eager_space's common case: the slot's top
+            host_ptr = slot.pinned.ptr + top
+            _snapshot(slot.array, top, s, nbytes, slot.mv)
+        else:
+            host_ptr, buf, off = self._eager_space(nbytes)
+            _snapshot(buf, off, s, nbytes)
+        copy2d, stream = self._backend.copy2d, self._stream
+        if f is not None:
+            copy2d(True, ptr, pitch, host_ptr, width, width, rows, stream)
+        else:
+            pos = 0
+            for ptr, rows, width, pitch in _layout.blocks(dptr, shape, strides, it):
+                copy2d(True, ptr, pitch, host_ptr + pos, width, width, rows, stream)
+                pos += rows * width
+        slot.dirty = True
         return self._count_eager(site, reason)
 
     def _eager_space(self, nbytes):
@@ -1755,9 +1779,21 @@ def _same_number(a, b) -> bool:
     return a == b or (a != a and b != b)
 
 
-def _snapshot(buf, off, s, nbytes) -> None:
-    """Copy the host source's bytes into pinned memory at ``buf[off:]`` (C order)."""
+def _snapshot(buf, off, s, nbytes, mv=None) -> None:
+    """Copy the host source's bytes into pinned memory at ``buf[off:]`` (C order).
+
+    ``mv``: a memoryview of ``buf``, the cheaper target for a C-contiguous source.
+    """
     host = s.host
+    if mv is not None:
+        try:
+            m = host.data  # no buffer format for some dtypes (datetime64): the path below
+            flat = m.cast("B") if m.c_contiguous else None
+        except (ValueError, TypeError, BufferError):
+            flat = None
+        if flat is not None:
+            mv[off : off + nbytes] = flat
+            return
     if host.flags.c_contiguous:
         buf[off : off + nbytes] = host.reshape(-1).view(np.uint8)
     else:

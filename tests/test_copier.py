@@ -56,6 +56,36 @@ def test_snapshot_on_a_stalled_stream(env, site):
     assert env.to_host(a).tolist() == [5] * 16
 
 
+@pytest.mark.parametrize(
+    "dtype", [np.int32, np.float16, np.dtype("datetime64[s]"), np.dtype([("a", "<i4")])]
+)
+def test_plain_copies_snapshot_every_source_layout(env, dtype):
+    """Eager copies of a site outside the plan, on a stalled stream: contiguous and
+    strided sources and destinations, and dtypes with no buffer format, land the bytes
+    each source held at its call."""
+    if env.name != "sim" and dtype is not np.int32:
+        pytest.skip("CuPy holds none of these dtypes")
+    c = env.copier(PLAN)
+    flat, table = env.empty((6,), dtype), env.empty((3, 5), dtype)
+    twod, back = env.empty((4, 6), dtype), env.empty((5,), dtype)
+    ints = np.arange(64, dtype=np.int32).view(dtype).copy()
+    srcs = [ints[:6].copy(), ints[:9].reshape(3, 3), ints[:24].reshape(6, 4).T, ints[::2][:5]]
+    want = [s.copy() for s in srcs]
+    with env.hold(env.default_stream):
+        with c.step():
+            c.copy(Site.PLAIN, flat, srcs[0])
+            c.copy(Site.PLAIN, table[:, 1:4], srcs[1])
+            c.copy(Site.PLAIN, twod, srcs[2])
+            c.copy(Site.PLAIN, back[::-1], srcs[3])
+            for s in srcs:
+                s[...] = ints[-1]  # refilled while the copies are still queued
+    assert env.to_host(flat).tobytes() == want[0].tobytes()
+    assert env.to_host(table)[:, 1:4].tobytes() == want[1].tobytes()
+    assert env.to_host(twod).tobytes() == np.ascontiguousarray(want[2]).tobytes()
+    assert env.to_host(back)[::-1].tobytes() == want[3].tobytes()
+    assert c.stats.sites[Site.PLAIN].eager == 4 and not c.stats.sites[Site.PLAIN].fallback
+
+
 def test_slots_replaced_behind_a_stalled_stream_free_nothing(env):
     """Steps outgrow their slots and use temporaries while the stream is stalled: the
     ring replaces slots and takes temporaries back without freeing any memory. A free

@@ -4,6 +4,7 @@ Usage:
     python bench/probes/instr_step.py [--n 8,32,128] [--annotate 25]   # runs valgrind
     python bench/probes/instr_step.py --n 32 --skip   # steps of 32 unchanged buffer updates
     python bench/probes/instr_step.py --n 32 --torch  # from torch CPU tensors
+    python bench/probes/instr_step.py --plain         # plain (eager) copies, no merging
     python bench/probes/instr_step.py --inner --n 32 --steps 520      # what valgrind runs
 
 Question: did a change to the compiled staging core make a step cheaper? Wall time on
@@ -17,13 +18,23 @@ driver calls (``cuLaunchKernel``, ``cuStreamIsCapturing``, ``cuEventRecord``,
 cut and encode, the carried launch's call and the ring's event calls run as they do on
 the GPU, less the driver's own work; nothing reaches the simulated stream.
 
+``--plain``: the same step through a copier whose plan merges nothing (a site outside
+the plan, as ``DeviceCopier(None)``'s every site), so each copy takes the eager path:
+resolve, ``_eager_h2d``, the snapshot into the ring slot's top, one ``copy2d`` a block.
+On the simulated device ``copy2d`` is the sim backend's Python copy, which a GPU never
+runs; the probe replaces it with a function that does nothing, and the slot's event
+record the step's flush then owes with another: the CUDA backend's calls there (its
+``copy2d`` and ``cudaMemcpyAsync``, ``event_record``) are not counted, as the driver's
+share of the merged step is not, so the count is cucopy's own host work a plain copy.
+
 For each N, valgrind runs the step 20 and 520 times in two processes with
 ``PYTHONHASHSEED=0``; the difference over 500 is the instructions of one step (imports,
 set-up and the first steps cancel). ``--annotate K`` also prints the K functions with
 the most instructions in the longer run (``callgrind_annotate``). Needs valgrind and
 gcc; the compiled twin must be built (``pip install -e .``).
 Answer: ``bench/results/2026-12-02-ci-instr_step.txt`` (session 11: the staging core's
-own instructions for a carried and a graphed step; the driver's share is not counted).
+own instructions for a carried and a graphed step; the driver's share is not counted);
+``--plain``: ``bench/results/2026-12-03-ci-instr_plain.txt``.
 """
 
 from __future__ import annotations
@@ -78,9 +89,25 @@ _GRAPH_FNS = (
 )
 
 
-def _copier(n: int, lib: Path, graphs: bool = True, mode: str = "auto", torch_src: bool = False):
+def _noop_copy2d(h2d, dst, dpitch, src, spitch, width, rows, stream) -> None:
+    """``--plain``'s ``copy2d``: enqueues nothing (the driver's share is not counted)."""
+
+
+def _noop_record(event, stream) -> None:
+    """``--plain``'s ``event_record``: records nothing (the driver's share)."""
+
+
+def _copier(
+    n: int,
+    lib: Path,
+    graphs: bool = True,
+    mode: str = "auto",
+    torch_src: bool = False,
+    plain: bool = False,
+):
     """A sim copier of the decode mix wired to the compiled launcher over ``lib``
-    (``torch_src``: the sources are torch CPU tensors, else NumPy arrays)."""
+    (``torch_src``: the sources are torch CPU tensors, else NumPy arrays; ``plain``: a
+    plan that merges nothing, and a ``copy2d`` that does nothing)."""
     import numpy as np
 
     import cucopy as cc
@@ -103,7 +130,7 @@ def _copier(n: int, lib: Path, graphs: bool = True, mode: str = "auto", torch_sr
     dev = SimDevice(policy="lazy", seed=0)
     site = cc.CopySite("S", [("x", cc.H2D)])
     c = cc.DeviceCopier(
-        cc.CopyPlan(merge={site.x}),
+        cc.CopyPlan() if plain else cc.CopyPlan(merge={site.x}),
         stream=dev.stream("instr"),
         device=dev,
         backend="sim",
@@ -119,6 +146,13 @@ def _copier(n: int, lib: Path, graphs: bool = True, mode: str = "auto", torch_sr
     c._mapped_max = 1 << 20
     c._graph_cap = pack.GRAPH_CAPACITY if graphs else 0
     c._ring._events = [0xE000 + i for i in range(len(c._ring._events))]
+    if plain:
+        # the sim backend's copy2d is a Python copy into simulated memory that no GPU
+        # runs: the eager copies' own call does nothing here (the driver's share is not
+        # counted); so does the slot's event record that flush() owes after them, once
+        # a step (the ring's events are the no-op driver's handles, not sim events)
+        c._backend.copy2d = _noop_copy2d
+        c._backend.event_record = _noop_record
     mix = common.decode_mix(n, 0)
     rng = np.random.default_rng(0)
     pairs = []
@@ -140,6 +174,7 @@ def inner(
     mode: str = "auto",
     skip: bool = False,
     torch_src: bool = False,
+    plain: bool = False,
 ) -> None:
     """Run ``steps`` merged steps of N copies (what valgrind measures).
 
@@ -148,7 +183,7 @@ def inner(
     """
     import cucopy as cc
 
-    c, site, pairs, _ = _copier(n, lib, graphs, mode, torch_src)
+    c, site, pairs, _ = _copier(n, lib, graphs, mode, torch_src, plain)
     if skip:
         bufs = [(cc.DeviceCopyBuffer(d, site=site), v) for d, v in pairs]
         for _ in range(steps):
@@ -165,6 +200,11 @@ def inner(
                 copy(site, d, v)
     modes = dict(c.stats.modes)
     assert c.stats.steps == steps, (c.stats.steps, steps)
+    if plain:
+        eager = c.stats.sites[site].eager
+        assert eager == n * steps and not modes.get("inline"), (eager, modes)
+        print(f"inner: N={n} steps={steps} eager={eager}")
+        return
     print(f"inner: N={n} steps={steps} modes={modes}")
 
 
@@ -177,6 +217,7 @@ def _count(
     mode="auto",
     skip=False,
     torch_src=False,
+    plain=False,
 ) -> int:
     # one BLAS thread: OpenBLAS's idle workers spin a varying number of instructions
     env = dict(os.environ, PYTHONHASHSEED="0", OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
@@ -198,6 +239,7 @@ def _count(
         mode,
         *(["--skip"] if skip else []),
         *(["--torch"] if torch_src else []),
+        *(["--plain"] if plain else []),
     ]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if r.returncode != 0:
@@ -243,16 +285,26 @@ def main(argv=None) -> int:
         "--skip", action="store_true", help="steps of N unchanged DeviceCopyBuffer updates"
     )
     ap.add_argument("--torch", action="store_true", help="torch CPU tensors as the sources")
+    ap.add_argument("--plain", action="store_true", help="a plan that merges nothing: eager copies")
     args = ap.parse_args(argv)
     if args.inner:
-        inner(args.n[0], args.steps, args.lib, not args.no_graphs, args.mode, args.skip, args.torch)
+        inner(
+            args.n[0],
+            args.steps,
+            args.lib,
+            not args.no_graphs,
+            args.mode,
+            args.skip,
+            args.torch,
+            args.plain,
+        )
         return 0
     with tempfile.TemporaryDirectory() as tmp:
         where = Path(tmp)
         lib = _noop_lib(where)
         for n in args.n:
             g = not args.no_graphs
-            opts = (g, args.mode, args.skip, args.torch)
+            opts = (g, args.mode, args.skip, args.torch, args.plain)
             short = _count(n, SHORT, lib, where / f"short-{n}.out", *opts)
             long_ = _count(n, LONG, lib, where / f"long-{n}.out", *opts)
             per = (long_ - short) / (LONG - SHORT)
