@@ -2,7 +2,7 @@
 
 Usage:
     python bench/probes/ab_inproc.py --base DIR [--tree DIR] [--n 8,32,128]
-                                     [--blocks 200] [--steps 50] [--src numpy|torch]
+                                     [--blocks 200] [--steps 50] [--src numpy|torch] [--plain]
 
 Question: is a change to the staging core's step cheaper or dearer, when the lent host's
 speed swings within a run? ``ab_step.py`` alternates processes; on a host that switches
@@ -63,8 +63,9 @@ def _load(tree: str):
     return cc, common.decode_mix, seg.IMPLEMENTATION
 
 
-def _make(cc, mix, src, stream):
-    """A copier of ``cc`` and its step's triples; returns (step function, check)."""
+def _make(cc, mix, src, stream, plain=False):
+    """A copier of ``cc`` and its step's triples (``plain``: a plan that merges nothing,
+    every copy eager); returns (step function, check, copier)."""
     import numpy as np
     import torch
 
@@ -74,7 +75,8 @@ def _make(cc, mix, src, stream):
         srcs = [torch.from_numpy(x).pin_memory() for x in srcs]
     dsts = [torch.zeros(k, dtype=getattr(torch, dt), device="cuda") for k, dt in mix]
     site = cc.CopySite("Ab", [("s", cc.H2D)])
-    c = cc.DeviceCopier(cc.CopyPlan(merge=set(site)), stream=stream, capacity=1 << 20)
+    plan = cc.CopyPlan() if plain else cc.CopyPlan(merge=set(site))
+    c = cc.DeviceCopier(plan, stream=stream, capacity=1 << 20)
     triples = [(site.s, d, x) for d, x in zip(dsts, srcs)]
     copy = c.copy
     step = c.step
@@ -111,6 +113,11 @@ def main(argv=None) -> int:
     ap.add_argument("--blocks", type=int, default=200)
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--src", choices=("numpy", "torch"), default="numpy")
+    ap.add_argument(
+        "--plain",
+        action="store_true",
+        help="a plan that merges nothing: every copy takes the eager path (a plain site)",
+    )
     args = ap.parse_args(argv)
     import torch
 
@@ -124,6 +131,7 @@ def main(argv=None) -> int:
         "base": args.base,
         "tree": args.tree,
         "src": args.src,
+        "plain": args.plain,
         "staging": {k: v[2] for k, v in sides.items()},
         "n": {},
     }
@@ -131,7 +139,7 @@ def main(argv=None) -> int:
         runs = {}
         for label, (cc, decode_mix, _) in sides.items():
             _swap(snaps[label])
-            runs[label] = _make(cc, decode_mix(n), args.src, stream)
+            runs[label] = _make(cc, decode_mix(n), args.src, stream, args.plain)
             runs[label][0](200)  # warm
         ratios, meds = [], {"base": [], "tree": []}
         for b in range(args.blocks):
