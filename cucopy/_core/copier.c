@@ -215,6 +215,18 @@ static PyObject *copiercore_flush_fast(CopierCore *c, PyObject *unused) {
             Py_RETURN_TRUE;
         Py_RETURN_FALSE;
     }
+    if (!c->launcher || !PyCapsule_CheckExact(c->launcher)) Py_RETURN_FALSE; /* (no C launch) */
+    /* asked before any of the state read below is used: the query may be Python code
+     * (then everything checked above is checked again, read afresh) */
+    int idle = not_capturing(c, NULL, 0);
+    if (idle < 0) return NULL;
+    if (!idle) Py_RETURN_FALSE;
+    if (c->closed || !c->seg || Py_TYPE(c->seg) != &SegmentType || c->checker != Py_None ||
+        !c->ring || !PyObject_TypeCheck(c->ring, &RingCoreType) ||
+        !step_is_callers(c, thread_id()) || !nstaged((Segment *)c->seg))
+        Py_RETURN_FALSE;
+    seg = (Segment *)c->seg;
+    ring = (RingCore *)c->ring;
     if (!c->launcher || !PyCapsule_CheckExact(c->launcher) || !c->handle ||
         !c->slot || !PyObject_TypeCheck(c->slot, &SlotCoreType) || !c->stats)
         Py_RETURN_FALSE;
@@ -249,9 +261,6 @@ static PyObject *copiercore_flush_fast(CopierCore *c, PyObject *unused) {
     }
     PyErr_Clear();
     if (mapped_only && mapped_max < 0) Py_RETURN_FALSE;
-    int idle = not_capturing(c, L, 1); /* (no Python: seg, slot, ring and L are borrowed) */
-    if (idle < 0) return NULL;
-    if (!idle) Py_RETURN_FALSE;
     /* from here on as _flush_segment: an error is flush()'s to report (the segment cut) */
     int64_t off, end, nblocks;
     Py_ssize_t n;
