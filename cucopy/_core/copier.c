@@ -101,14 +101,19 @@ static int step_is_callers(CopierCore *c, uint64_t me) {
     return !c->in_step || c->owner == me;
 }
 
+/* what begin()'s and flush()'s fast paths need of the copier, each read afresh: open,
+ * a compiled segment and ring, no checker, stats, and no other thread's step */
+static int core_usable(CopierCore *c, uint64_t me) {
+    return !c->closed && c->seg && Py_TYPE(c->seg) == &SegmentType && c->checker == Py_None &&
+           c->ring && PyObject_TypeCheck(c->ring, &RingCoreType) && c->stats &&
+           step_is_callers(c, me);
+}
+
 static int64_t nt_from_for(CopierCore *c);
 
 static PyObject *copiercore_begin_fast(CopierCore *c, PyObject *unused) {
-    if (c->closed || !c->seg || Py_TYPE(c->seg) != &SegmentType || c->checker != Py_None ||
-        !c->ring || !PyObject_TypeCheck(c->ring, &RingCoreType) || !c->stats)
-        Py_RETURN_FALSE;
     uint64_t me = thread_id();
-    if (!step_is_callers(c, me)) Py_RETURN_FALSE;
+    if (!core_usable(c, me)) Py_RETURN_FALSE;
     Segment *seg = (Segment *)c->seg;
     if (nstaged(seg)) Py_RETURN_FALSE; /* staged: flushed first */
     if (S->check_mode) Py_RETURN_FALSE; /* (pushed by cucopy.check: _set_check_mode) */
@@ -117,9 +122,7 @@ static PyObject *copiercore_begin_fast(CopierCore *c, PyObject *unused) {
     if (!idle) Py_RETURN_FALSE;
     /* the query may have been Python code: what was checked above is checked again (seg
      * compared by address first: dereferenced only while the copier still holds it) */
-    if (c->closed || (PyObject *)seg != c->seg || c->checker != Py_None || !c->ring ||
-        !PyObject_TypeCheck(c->ring, &RingCoreType) || !c->stats || S->check_mode ||
-        !step_is_callers(c, me) || nstaged(seg))
+    if ((PyObject *)seg != c->seg || !core_usable(c, me) || S->check_mode || nstaged(seg))
         Py_RETURN_FALSE;
     long long cap_for = c->cap_for, cap = c->cap;
     if (!c->tables) Py_RETURN_FALSE;
@@ -200,10 +203,8 @@ static PyObject *copiercore_take_counts(CopierCore *c, PyObject *unused) {
 }
 
 static PyObject *copiercore_flush_fast(CopierCore *c, PyObject *unused) {
-    if (c->closed || !c->seg || Py_TYPE(c->seg) != &SegmentType || c->checker != Py_None ||
-        !c->ring || !PyObject_TypeCheck(c->ring, &RingCoreType) ||
-        !step_is_callers(c, thread_id()))
-        Py_RETURN_FALSE;
+    uint64_t me = thread_id();
+    if (!core_usable(c, me)) Py_RETURN_FALSE;
     Segment *seg = (Segment *)c->seg;
     RingCore *ring = (RingCore *)c->ring;
     if (!nstaged(seg)) {
@@ -221,14 +222,11 @@ static PyObject *copiercore_flush_fast(CopierCore *c, PyObject *unused) {
     int idle = not_capturing(c, NULL, 0);
     if (idle < 0) return NULL;
     if (!idle) Py_RETURN_FALSE;
-    if (c->closed || !c->seg || Py_TYPE(c->seg) != &SegmentType || c->checker != Py_None ||
-        !c->ring || !PyObject_TypeCheck(c->ring, &RingCoreType) ||
-        !step_is_callers(c, thread_id()) || !nstaged((Segment *)c->seg))
-        Py_RETURN_FALSE;
+    if (!core_usable(c, me) || !nstaged((Segment *)c->seg)) Py_RETURN_FALSE;
     seg = (Segment *)c->seg;
     ring = (RingCore *)c->ring;
     if (!c->launcher || !PyCapsule_CheckExact(c->launcher) || !c->handle ||
-        !c->slot || !PyObject_TypeCheck(c->slot, &SlotCoreType) || !c->stats)
+        !c->slot || !PyObject_TypeCheck(c->slot, &SlotCoreType))
         Py_RETURN_FALSE;
     /* carried whole when it fits (inline, auto); else read mapped (mapped, auto) */
     int kind = c->mode;
@@ -326,21 +324,22 @@ cut:
     return Py_BuildValue("(LLLn)", (long long)off, (long long)end, (long long)nblocks, n);
 }
 
-static PyObject *core_seg(PyObject *self) {
-    /* the copier's class (a subclass: an MRO walk each time) remembered once seen; the
-     * reference keeps it alive, so no other type takes its address */
+/* whether self is a CopierCore: the copier's class (a subclass: an MRO walk each time)
+ * remembered once seen; the reference keeps it alive, so no other type takes its address */
+static int is_core(PyObject *self) {
     PyTypeObject *tp = Py_TYPE(self);
-    if (tp == (PyTypeObject *)S->known_core || tp == &CopierCoreType)
-        return ((CopierCore *)self)->seg;
-    if (!PyType_IsSubtype(tp, &CopierCoreType)) return NULL;
+    if (tp == (PyTypeObject *)S->known_core || tp == &CopierCoreType) return 1;
+    if (!PyType_IsSubtype(tp, &CopierCoreType)) return 0;
     Py_XSETREF(S->known_core, Py_NewRef((PyObject *)tp));
-    return ((CopierCore *)self)->seg;
+    return 1;
+}
+
+static PyObject *core_seg(PyObject *self) {
+    return is_core(self) ? ((CopierCore *)self)->seg : NULL;
 }
 
 static PyObject *core_fastcopy(PyObject *self) {
-    return core_seg(self) || PyObject_TypeCheck(self, &CopierCoreType)
-               ? ((CopierCore *)self)->fastcopy
-               : NULL;
+    return is_core(self) ? ((CopierCore *)self)->fastcopy : NULL;
 }
 
 static PyMethodDef copiercore_methods[] = {
