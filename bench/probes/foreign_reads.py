@@ -25,7 +25,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 if __package__ in (None, ""):
@@ -42,38 +41,19 @@ ALL = 15
 
 
 def _side(cc, mix, src, stream):
-    import numpy as np
-    import torch
+    """``ab_inproc``'s merged step from ``cc``: (median µs of ``steps`` steps, check)."""
+    from bench.probes.ab_inproc import _make
 
-    rng = np.random.default_rng(0)
-    srcs = [rng.integers(1, 1 << 30, size=k).astype(dt) for k, dt in mix]
-    if src == "torch":
-        srcs = [torch.from_numpy(x).pin_memory() for x in srcs]
-    dsts = [torch.zeros(k, dtype=getattr(torch, dt), device="cuda") for k, dt in mix]
-    site = cc.CopySite("Fr", [("s", cc.H2D)])
-    c = cc.DeviceCopier(cc.CopyPlan(merge=set(site)), stream=stream, capacity=1 << 20)
-    triples = [(site.s, d, x) for d, x in zip(dsts, srcs)]
-    copy, step, perf, sync = c.copy, c.step, time.perf_counter_ns, stream.synchronize
+    run_ns, check, c = _make(cc, mix, src, stream)
 
     def run(steps):
-        ts = []
-        for _ in range(steps):
-            sync()
-            t0 = perf()
-            with step():
-                for s, d, x in triples:
-                    copy(s, d, x)
-            ts.append(perf() - t0)
-        return statistics.median(ts) / 1e3
+        return statistics.median(run_ns(steps)) / 1e3
 
-    def check():
-        sync()
-        for d, x in zip(dsts, srcs):
-            if not np.array_equal(d.cpu().numpy(), np.asarray(x)):
-                raise SystemExit("a destination is wrong")
+    def done():
+        check()  # (raises when a destination is wrong)
         c.close()
 
-    return run, check
+    return run, done
 
 
 def main(argv=None) -> int:
