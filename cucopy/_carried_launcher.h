@@ -25,13 +25,15 @@
  * kernel reads the segment when it runs, as a mapped launch does: its slot's event must
  * follow it, and all graph_cap bytes at seg stay unwritten until that event completes.
  *
+ * copy() (ABI 5) is the eager path's one driver copy (cucopy/_core/copy.c, eager_fast).
+ *
  * abi is LAUNCHER_ABI: a caller built against another layout uses none of it. */
 #ifndef CUCOPY_CARRIED_LAUNCHER_H
 #define CUCOPY_CARRIED_LAUNCHER_H
 
 #include <stddef.h>
 
-#define LAUNCHER_ABI 4
+#define LAUNCHER_ABI 5
 
 typedef struct {
     int (*carried)(void *drv, unsigned long long nblocks, unsigned long long stream,
@@ -50,6 +52,14 @@ typedef struct {
     /* capturing() is cuStreamIsCapturing: the CUresult, *status the capture status;
      * OTHER_CONTEXT (-2) and nothing called when another context is current */
     int (*capturing)(void *drv, unsigned long long stream, int *status);
+    /* copy() is one eager H2D copy of rows x width bytes from pinned host memory (rows
+     * spitch apart) to the device (rows dpitch apart): cuMemcpyHtoDAsync for one row,
+     * cuMemcpy2DAsync for several. The CUresult, or a negative value when it copied
+     * nothing (no entry points, another context current, a pitch past the 2-D copy's
+     * limit): the caller then copies through the backend. NULL until copies(). */
+    int (*copy)(void *drv, unsigned long long dst, unsigned long long dpitch, const void *src,
+                unsigned long long spitch, unsigned long long width, unsigned long long rows,
+                unsigned long long stream);
 } CarriedLauncher;
 
 #define LAUNCHER_NAME "cucopy.carried_launcher"

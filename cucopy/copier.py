@@ -426,6 +426,10 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
         # asked before a fast copy opens a segment: a capture begun after begin()
         self._seg.set_capture_query(self._cap_query, self._cap_arg)
         self.stats.pending.append(self._seg.fold)  # its merged counts, read with stats.sites
+        # H2D sites outside the plan: the compiled copy issues their common case itself
+        # (_core/copier.c, core_eager), counting them apart
+        self._seg.set_eager(CopySite, _H2D)
+        self.stats.pending_eager.append(self._seg.fold_eager)
         if _COMPILED:  # the totals its begin() and flush() count in C, read with stats'
             self.stats.pending_totals.append(self._take_counts)
         self._tables = WindowMax(DEMAND_WINDOW)  # largest table per step
@@ -1053,7 +1057,9 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
         direction = self._site(site, False)
         d = self._dst(site, dst)
         s = self._src(site, src, direction)
-        if direction is _H2D and dst is not d and site in self._merge:
+        if direction is _H2D and dst is not d:
+            # cached for the fast paths: the merged one, and the eager one of a site
+            # outside the plan
             fp = self._remember_dst(site, dst, d)
             if (
                 fp is not None
@@ -1217,7 +1223,7 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
         # the counters themselves: stats.sites would fold the pending merged counts first,
         # which an eager count neither needs nor changes
         st = self.stats._sites[site]
-        st.eager += 1
+        st._eager += 1
         if reason is not None:
             st.fallback[reason] += 1
         return True

@@ -808,6 +808,15 @@ class PySegment:
         out, self.counts = {k: v for k, v in self.counts.items() if v}, {}
         return out
 
+    def fold_eager(self) -> dict:
+        """Eager copies counted here: none (the copier counts its own eager copies; the
+        compiled segment counts those its compiled copy issues)."""
+        return {}
+
+    def set_eager(self, site_type, h2d) -> None:
+        """Which sites the compiled copy issues eagerly itself; nothing here (the
+        copier's Python path issues every eager copy)."""
+
     def reset(self) -> list:
         """Close the open segment without landing it; returns its entries (for ``on_drop``)."""
         entries = self.entries

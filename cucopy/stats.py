@@ -30,12 +30,12 @@ class SiteStats:
         Copies verified by check mode.
     """
 
-    __slots__ = ("_merged", "_owner", "eager", "_skipped", "fallback", "checked")
+    __slots__ = ("_merged", "_owner", "_eager", "_skipped", "fallback", "checked")
 
     def __init__(self, owner: CopyStats | None = None) -> None:
         self._owner = owner  # folds the counts still pending before merged/skipped is read
         self._merged = 0
-        self.eager = 0
+        self._eager = 0
         self._skipped = 0
         self.fallback: collections.Counter[str] = collections.Counter()
         self.checked = 0
@@ -50,6 +50,17 @@ class SiteStats:
     @merged.setter
     def merged(self, value: int) -> None:
         self._merged = value
+
+    @property
+    def eager(self) -> int:
+        """Copies issued eagerly (sites outside the plan, and fallbacks)."""
+        if self._owner is not None:
+            self._owner.fold()
+        return self._eager
+
+    @eager.setter
+    def eager(self, value: int) -> None:
+        self._eager = value
 
     @property
     def skipped(self) -> int:
@@ -87,6 +98,9 @@ class CopyStats:
     pending : list
         Callables returning ``{site: merged copies}`` counted elsewhere since their
         last call (the copier's segment counts in C); folded into ``sites``.
+    pending_eager : list
+        The same for eager copies (the compiled copy issues a site's eager copies
+        itself and counts them in C).
     pending_skipped : list
         The same for skipped copies (``DeviceCopyBuffer.update``'s fast path counts
         its skips apart, see :mod:`cucopy.buffer`).
@@ -112,6 +126,7 @@ class CopyStats:
     """
 
     pending: list[Callable[[], dict]]
+    pending_eager: list[Callable[[], dict]]
     pending_skipped: list[Callable[[], dict]]
     pending_totals: list[Callable[[], tuple]]
     host_waits: int
@@ -122,6 +137,7 @@ class CopyStats:
             lambda: SiteStats(self)
         )
         self.pending = []
+        self.pending_eager = []
         self.pending_skipped = []
         self.pending_totals = []
         self._zero()
@@ -211,6 +227,9 @@ class CopyStats:
         for fold in self.pending:
             for site, n in fold().items():
                 sites[site]._merged += n
+        for fold in self.pending_eager:
+            for site, n in fold().items():
+                sites[site]._eager += n
         for fold in self.pending_skipped:
             for site, n in fold().items():
                 sites[site]._skipped += n
@@ -223,7 +242,12 @@ class CopyStats:
 
     def reset(self) -> None:
         """Zero every counter (counts still pending are dropped too)."""
-        for fold in (*self.pending, *self.pending_skipped, *self.pending_totals):
+        for fold in (
+            *self.pending,
+            *self.pending_eager,
+            *self.pending_skipped,
+            *self.pending_totals,
+        ):
             fold()
         self._sites.clear()
         self._zero()

@@ -36,6 +36,34 @@ _LAUNCH = ctypes.CFUNCTYPE(
 _CAPTURING = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.POINTER(ctypes.c_int))
 _EVENT_RECORD = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
 _EVENT_QUERY = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
+_HTOD = ctypes.CFUNCTYPE(
+    ctypes.c_int, ctypes.c_ulonglong, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p
+)
+_COPY2D = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
+
+
+class _Memcpy2D(ctypes.Structure):
+    """cuda.h's CUDA_MEMCPY2D."""
+
+    _fields_ = [
+        ("srcXInBytes", ctypes.c_size_t),
+        ("srcY", ctypes.c_size_t),
+        ("srcMemoryType", ctypes.c_int),
+        ("srcHost", ctypes.c_void_p),
+        ("srcDevice", ctypes.c_ulonglong),
+        ("srcArray", ctypes.c_void_p),
+        ("srcPitch", ctypes.c_size_t),
+        ("dstXInBytes", ctypes.c_size_t),
+        ("dstY", ctypes.c_size_t),
+        ("dstMemoryType", ctypes.c_int),
+        ("dstHost", ctypes.c_void_p),
+        ("dstDevice", ctypes.c_ulonglong),
+        ("dstArray", ctypes.c_void_p),
+        ("dstPitch", ctypes.c_size_t),
+        ("WidthInBytes", ctypes.c_size_t),
+        ("Height", ctypes.c_size_t),
+    ]
+
 
 NOT_READY = 600  # CUDA_ERROR_NOT_READY
 
@@ -56,6 +84,10 @@ class FakeDriver:
         self._capturing = _CAPTURING(self.capturing)
         self._record = _EVENT_RECORD(self.event_record)
         self._query = _EVENT_QUERY(self.event_query)
+        self.copies = []  # (dst, dpitch, src, spitch, width, rows, stream) of each copy
+        self.copy_result = 0  # CUresult the copies return
+        self._htod = _HTOD(self.htod)
+        self._copy2d = _COPY2D(self.copy2d)
         addr = ctypes.c_void_p
         self.addrs = (
             ctypes.cast(self._launch, addr).value,
@@ -66,6 +98,26 @@ class FakeDriver:
             ctypes.cast(self._record, addr).value,
             ctypes.cast(self._query, addr).value,
         )
+        # for Driver.copies()
+        self.copy_addrs = (
+            ctypes.cast(self._htod, addr).value,
+            ctypes.cast(self._copy2d, addr).value,
+        )
+
+    def htod(self, dst, src, nbytes, stream):
+        return self.copied(dst, nbytes, src or 0, nbytes, nbytes, 1, stream or 0)
+
+    def copy2d(self, params, stream):
+        p = _Memcpy2D.from_address(params)
+        assert p.srcMemoryType == 1 and p.dstMemoryType == 2  # host to device
+        assert p.srcXInBytes == p.srcY == p.dstXInBytes == p.dstY == 0
+        return self.copied(
+            p.dstDevice, p.dstPitch, p.srcHost, p.srcPitch, p.WidthInBytes, p.Height, stream or 0
+        )
+
+    def copied(self, dst, dpitch, src, spitch, width, rows, stream):
+        self.copies.append((dst, dpitch, src, spitch, width, rows, stream))
+        return self.copy_result
 
     def launch(self, f, gx, gy, gz, bx, by, bz, shmem, stream, params, extra):
         rec = {"f": f, "grid": (gx, gy, gz), "block": (bx, by, bz), "shmem": shmem}
@@ -599,6 +651,7 @@ class _Launcher(ctypes.Structure):
         ("graphed", ctypes.c_void_p),
         ("graph_cap", ctypes.c_size_t),
         ("capturing", ctypes.c_void_p),
+        ("copy", ctypes.c_void_p),
     ]
 
 
@@ -910,6 +963,7 @@ def _landing_copier(
     import cucopy as cc
 
     members = [(name, cc.H2D) for name in plan_sites] + ([("E", cc.H2D)] if eager_site else [])
+    members += [("P", cc.H2D)]  # a site outside the plan (eager)
     site = cc.CopySite("Site", members)
     dev = SimDevice(policy="lazy")
     if graphs:
@@ -952,6 +1006,12 @@ def _landing_copier(
                 problems.append(repr(e))
             return rc
 
+        def copied(self, dst, dpitch, src, spitch, width, rows, stream):
+            rc = super().copied(dst, dpitch, src, spitch, width, rows, stream)
+            if rc == 0:  # the copy the driver would make, on the sim
+                be.copy2d(True, dst, dpitch, src, spitch, width, rows, dev.default_stream)
+            return rc
+
         # (events=True) the sim's events behind the raw handles
         def event_record(self, event, stream):
             rc = super().event_record(event, stream)
@@ -982,6 +1042,7 @@ def _landing_copier(
     d = _cudacall.Driver(*fake.addrs)
     if events:
         d.events(*fake.event_addrs)
+    d.copies(*fake.copy_addrs)
     caps = be.carry_capacities()
     d.kernels(0x5CA7, [(cap, 0x1000 + i) for i, cap in enumerate(caps)], pack.THREADS)
     if graphs:
@@ -1515,3 +1576,85 @@ def test_event_wait_sleeps_between_queries_and_gives_up_at_its_deadline():
     assert d.event_wait(0xE2, 50_000_000) == 0
     fake.event_result = 700  # a failure comes back at once, as is
     assert d.event_wait(0xE3, 10**9) == 700
+
+
+@needs_ext
+def test_the_drivers_copy_calls_nothing_until_copies_is_set():
+    fake = FakeDriver()
+    d = _driver(fake)
+    assert d.copy(0xD000, 16, 0x1000, 16, 16, 1, 5) == -1 and fake.copies == []
+    d.copies(*fake.copy_addrs)
+    assert d.copy(0xD000, 16, 0x1000, 16, 16, 1, 5) == 0  # one row: cuMemcpyHtoDAsync
+    assert d.copy(0xD000, 64, 0x1000, 16, 16, 3, 5) == 0  # rows: cuMemcpy2DAsync
+    assert fake.copies == [
+        (0xD000, 16, 0x1000, 16, 16, 1, 5),
+        (0xD000, 64, 0x1000, 16, 16, 3, 5),
+    ]
+    assert d.copy(0xD000, 1 << 31, 0x1000, 16, 16, 3, 5) == -1  # past the 2-D pitch limit
+    assert d.copy(0xD000, 16, 0x1000, 16, 0, 1, 5) == -1  # nothing to copy
+    fake.copy_result = 700
+    assert d.copy(0xD000, 16, 0x1000, 16, 16, 1, 5) == 700
+    assert len(fake.copies) == 3
+    with pytest.raises(ValueError):
+        d.copies(0, fake.copy_addrs[1])
+    s = _launcher_struct(d.launcher())
+    assert s.abi == _cudacall.LAUNCHER_ABI and s.copy
+
+
+@needs_both
+@pytest.mark.skipif(
+    not _compiled_copier_core_now(), reason="the compiled staging core is not in use"
+)
+@pytest.mark.parametrize("merged", [False, True])
+def test_plain_copies_take_one_driver_copy_each_and_one_event_a_step(merged):
+    # a site outside the plan: from the second copy of a destination on, the compiled
+    # path snapshots the source into the slot and makes one copy through the launcher
+    # (the slot's pinned bytes, the destination's pitch); the flush records the slot's
+    # event once, from C, after a carried launch or with nothing staged
+    c, Site, dev, fake, problems = _landing_copier("inline", events=True)
+    whole = dev.zeros((4, 8), np.int32)
+    flat, view = dev.zeros((6,), np.int32), whole[:, 2:5]
+    m = dev.zeros((4,), np.int32)
+    src1, src2 = np.zeros(6, np.int32), np.zeros((4, 3), np.int32)
+    steps = 2 * c._ring.slots
+    for k in range(steps):
+        copies, records = len(fake.copies), len(fake.records)
+        with c.step():
+            src1[:] = k
+            c.copy(Site.P, flat, src1)
+            src1[:] = -1  # refilled at once: the snapshot holds the call's bytes
+            src2[:] = 10 + k
+            c.copy(Site.P, view, src2)
+            src2[:] = -1
+            if merged:
+                c.copy(Site.A, m, np.full(4, k, np.int32))
+        assert dev.to_host(flat).tolist() == [k] * 6
+        assert dev.to_host(whole)[:, 2:5].tolist() == [[10 + k] * 3] * 4
+        if merged:
+            assert dev.to_host(m).tolist() == [k] * 4
+        if k:
+            assert len(fake.copies) == copies + 2
+            assert len(fake.records) == records + 1  # one event a step
+    assert problems == []
+    one, two = fake.copies[-2:]
+    assert one[1:] == (24, one[2], 24, 24, 1, 77)  # 6 int32: one row
+    assert two[0] == whole.ptr + 8 and two[1] == 32 and two[3:] == (12, 12, 4, 77)
+    slot = c._slot
+    assert slot.pinned.ptr <= two[2] < slot.pinned.ptr + slot.size  # from the slot's bytes
+    assert c.stats.sites[Site.P].eager == 2 * steps
+    c.close()
+
+
+@needs_both
+def test_a_failed_driver_copy_is_made_through_the_backend():
+    # the launcher's copy answering an error (or copying nothing): the backend's copy2d
+    # makes the copy (and reports its own error, were it to fail too)
+    c, Site, dev, fake, problems = _landing_copier("inline", events=True)
+    a = dev.zeros((8,), np.int32)
+    fake.copy_result = 700
+    for k in range(3):
+        with c.step():
+            c.copy(Site.P, a, np.full(8, k, np.int32))
+        assert dev.to_host(a).tolist() == [k] * 8
+    assert c.stats.sites[Site.P].eager == 3 and problems == []
+    c.close()

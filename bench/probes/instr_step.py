@@ -20,12 +20,13 @@ the GPU, less the driver's own work; nothing reaches the simulated stream.
 
 ``--plain``: the same step through a copier whose plan merges nothing (a site outside
 the plan, as ``DeviceCopier(None)``'s every site), so each copy takes the eager path:
-resolve, ``_eager_h2d``, the snapshot into the ring slot's top, one ``copy2d`` a block.
-On the simulated device ``copy2d`` is the sim backend's Python copy, which a GPU never
-runs; the probe replaces it with a function that does nothing, and the slot's event
-record the step's flush then owes with another: the CUDA backend's calls there (its
-``copy2d`` and ``cudaMemcpyAsync``, ``event_record``) are not counted, as the driver's
-share of the merged step is not, so the count is cucopy's own host work a plain copy.
+from a destination's second copy on, the compiled one (``_core/copier.c``,
+``core_eager``: the snapshot into the ring slot's top, one copy through the launcher,
+here the no-op library's ``cuMemcpyHtoDAsync``), and the slot's event recorded once a
+step by the compiled flush. The Python path's calls (the first copies, and anything the
+compiled path leaves to it) go to the sim backend's ``copy2d`` and ``event_record``,
+which the probe replaces with functions that do nothing: the driver's share is not
+counted, as for the merged step, so the count is cucopy's own host work a plain copy.
 
 For each N, valgrind runs the step 20 and 520 times in two processes with
 ``PYTHONHASHSEED=0``; the difference over 500 is the instructions of one step (imports,
@@ -66,6 +67,8 @@ int graph_add(void **node, void *g, void *const *deps, unsigned long n, const vo
 int graph_inst(void **e, void *g, unsigned long long flags) { *e = handles + 2; return 0; }
 int graph_launch(void *e, void *stream) { return 0; }
 int graph_destroy(void *g) { return 0; }
+int htod(unsigned long long dst, const void *src, unsigned long n, void *stream) { return 0; }
+int copy2d(const void *params, void *stream) { return 0; }
 """
 
 SHORT, LONG = 20, 520
@@ -122,6 +125,8 @@ def _copier(
     caps = [(c, 0x5CA7 + i) for i, c in enumerate(range(2048, 32768 + 1, 2048))]
     drv.kernels(0x5CA7, caps, pack.THREADS)
     drv.events(addr["record"], addr["query"])
+    # the eager copy's cuMemcpyHtoDAsync / cuMemcpy2DAsync (--plain)
+    drv.copies(*(ctypes.cast(getattr(so, k), ctypes.c_void_p).value for k in ("htod", "copy2d")))
     if graphs:
         g = [ctypes.cast(getattr(so, k), ctypes.c_void_p).value for k in _GRAPH_FNS]
         drv.graphs(*g, 0x3A0, pack.GRAPH_CAPACITY)

@@ -202,6 +202,70 @@ static PyObject *copiercore_take_counts(CopierCore *c, PyObject *unused) {
     return r;
 }
 
+/* the copier's launcher (ABI checked), or NULL */
+static CarriedLauncher *core_launcher(CopierCore *c) {
+    if (!c->launcher || !PyCapsule_CheckExact(c->launcher)) return NULL;
+    CarriedLauncher *L = PyCapsule_GetPointer(c->launcher, LAUNCHER_NAME);
+    if (!L) PyErr_Clear();
+    return L && L->abi == LAUNCHER_ABI ? L : NULL;
+}
+
+/* StagingRing.record after a launch or copies that read the slot: the slot's event
+ * recorded (E->record), the ring's bookkeeping as record() keeps it. 1 recorded, 0 not
+ * (the Python path records it). */
+static int record_slot(RingCore *ring, SlotCore *slot, CarriedLauncher *E,
+                       unsigned long long event, unsigned long long stream) {
+    if (E->record(E->drv, event, stream) != 0) return 0;
+    Py_SETREF(slot->recorded, Py_NewRef(Py_True));
+    Py_SETREF(slot->dirty, Py_NewRef(Py_False));
+    long long acquires, index;
+    if (int_field(ring->acquires, &acquires) && int_field(ring->index, &index)) {
+        slot->stamp = acquires;
+        ring->newest = index;
+        ring->newest_stamp = acquires;
+    } else { /* cannot happen (checked by the callers); forget what is known, to be safe */
+        PyErr_Clear();
+        slot->stamp = -1;
+        ring->newest = -1;
+        ring->certified = -1;
+    }
+    return 1;
+}
+
+/* the event of the ring's current slot (c->slot) as a raw handle: 1 found, else 0 */
+static int current_event(CopierCore *c, RingCore *ring, unsigned long long *event) {
+    long long index;
+    int ok = ring->current == c->slot && ring->events && PyList_CheckExact(ring->events) &&
+             int_field(ring->index, &index) && index >= 0 &&
+             index < PyList_GET_SIZE(ring->events) &&
+             u64_field(PyList_GET_ITEM(ring->events, index), event);
+    PyErr_Clear();
+    return ok;
+}
+
+/* flush() with nothing staged and the slot dirtied by eager copies: flush()'s body (the
+ * capture query, then the slot's event recorded), from C. 1 done, 0 the body's, -1 an
+ * error the query raised. */
+static int flush_dirty(CopierCore *c) {
+    CarriedLauncher *E = core_launcher(c);
+    if (!E || !E->record || !E->query || !c->handle) return 0;
+    int idle = not_capturing(c, E, 0);
+    if (idle <= 0) return idle; /* (-1: an error the query raised) */
+    /* the query may have been Python code: everything below is read afresh */
+    if (!core_usable(c, thread_id()) || nstaged((Segment *)c->seg)) return 0;
+    E = core_launcher(c);
+    if (!E || !E->record || !E->query || !c->handle) return 0;
+    RingCore *ring = (RingCore *)c->ring;
+    unsigned long long stream, event;
+    if (!c->slot || !PyObject_TypeCheck(c->slot, &SlotCoreType) ||
+        ((SlotCore *)c->slot)->dirty != Py_True || !u64_field(c->handle, &stream) ||
+        !current_event(c, ring, &event)) {
+        PyErr_Clear();
+        return 0;
+    }
+    return record_slot(ring, (SlotCore *)c->slot, E, event, stream);
+}
+
 static PyObject *copiercore_flush_fast(CopierCore *c, PyObject *unused) {
     uint64_t me = thread_id();
     if (!core_usable(c, me)) Py_RETURN_FALSE;
@@ -214,6 +278,10 @@ static PyObject *copiercore_flush_fast(CopierCore *c, PyObject *unused) {
         if (!cur || cur == Py_None ||
             (PyObject_TypeCheck(cur, &SlotCoreType) && ((SlotCore *)cur)->dirty == Py_False))
             Py_RETURN_TRUE;
+        /* eager copies only (a plan that merges nothing): their event, from C */
+        int done = flush_dirty(c);
+        if (done < 0) return NULL;
+        if (done) Py_RETURN_TRUE;
         Py_RETURN_FALSE;
     }
     if (!c->launcher || !PyCapsule_CheckExact(c->launcher)) Py_RETURN_FALSE; /* (no C launch) */
@@ -247,17 +315,8 @@ static PyObject *copiercore_flush_fast(CopierCore *c, PyObject *unused) {
     long long mapped_max = -1;
     unsigned long long event = 0;
     CarriedLauncher *E = L->abi == LAUNCHER_ABI && L->record && L->query ? L : NULL;
-    if (E && (mapped_max = c->mapped_max) >= 0 &&
-        ring->current == c->slot && ring->events && PyList_CheckExact(ring->events)) {
-        long long index;
-        if (!int_field(ring->index, &index) || index < 0 ||
-            index >= PyList_GET_SIZE(ring->events) ||
-            !u64_field(PyList_GET_ITEM(ring->events, index), &event))
-            mapped_max = -1;
-    } else {
-        mapped_max = -1;
-    }
-    PyErr_Clear();
+    int have_event = E && current_event(c, ring, &event);
+    if (!have_event || (mapped_max = c->mapped_max) < 0) mapped_max = -1;
     if (mapped_only && mapped_max < 0) Py_RETURN_FALSE;
     /* from here on as _flush_segment: an error is flush()'s to report (the segment cut) */
     int64_t off, end, nblocks;
@@ -298,22 +357,11 @@ static PyObject *copiercore_flush_fast(CopierCore *c, PyObject *unused) {
     if (!f) return NULL;
     Py_DECREF(f);
     c->fast_flushes++;
-    if (how == S->s_mapped && slot->dirty == Py_True &&
-        E->record(E->drv, event, stream) == 0) { /* StagingRing.record */
-        Py_SETREF(slot->recorded, Py_NewRef(Py_True));
-        Py_SETREF(slot->dirty, Py_NewRef(Py_False));
-        long long acquires, index;
-        if (int_field(ring->acquires, &acquires) && int_field(ring->index, &index)) {
-            slot->stamp = acquires;
-            ring->newest = index;
-            ring->newest_stamp = acquires;
-        } else { /* cannot happen (checked above); forget what is known, to be safe */
-            PyErr_Clear();
-            slot->stamp = -1;
-            ring->newest = -1;
-            ring->certified = -1;
-        }
-    }
+    if (how == S->s_mapped && slot->dirty == Py_True)
+        record_slot(ring, slot, E, event, stream); /* StagingRing.record */
+    else if (how == S->s_inline && slot->dirty == Py_True && have_event)
+        /* a carried launch after eager copies: their event, from C as well */
+        record_slot(ring, slot, E, event, stream);
     /* the slot dirtied in the step (an eager copy, or a record that failed):
      * flush()'s body records it */
     if (ring->current && PyObject_TypeCheck(ring->current, &SlotCoreType) &&
@@ -340,6 +388,109 @@ static PyObject *core_seg(PyObject *self) {
 
 static PyObject *core_fastcopy(PyObject *self) {
     return is_core(self) ? ((CopierCore *)self)->fastcopy : NULL;
+}
+
+/* -- the eager path, compiled (DeviceCopier._eager_h2d's common case) ---------------
+ *
+ * An H2D copy through a site the plan does not merge, in this thread's open step (not
+ * under capture, not in check mode), of a cached destination from a NumPy array or a
+ * cached source: its bytes snapshotted into the slot's top at the call (the promise
+ * that rules out the refilled-buffer race), then one driver copy from there (the
+ * launcher's copy(); the backend's copy2d without one), the slot marked dirty (its
+ * event is recorded once, at the flush), the copy counted (fold_eager). Anything else
+ * is the Python path's (MISS), which asks everything again. STAGED: issued. */
+static int core_eager(PyObject *self, PyObject *site, PyObject *dst, PyObject *src,
+                      PyObject *on_drop) {
+    if (!is_core(self)) return MISS;
+    CopierCore *c = (CopierCore *)self;
+    uint64_t me = thread_id();
+    if (!core_usable(c, me) || !c->in_step || c->capturing || S->check_mode) return MISS;
+    Segment *s = (Segment *)c->seg;
+    if (!seg_usable(s) || !s->slot || !PyObject_TypeCheck(s->slot, &SlotCoreType) ||
+        (on_drop != Py_None && !PyCallable_Check(on_drop)))
+        return MISS;
+    int fl = site_flags(s, site);
+    if (fl < 0) return soft_clear() < 0 ? -1 : MISS;
+    if (!(fl & SITE_EAGER)) return MISS;
+    Py_INCREF(s); /* held: what follows may run Python code (a fingerprint, the query) */
+    int out = MISS;
+    if (!s->pinned_ptr) { /* the slot's pinned.ptr, once a binding */
+        PyObject *pin = PyObject_GetAttrString(s->slot, "pinned");
+        PyObject *p = pin ? PyObject_GetAttrString(pin, "ptr") : NULL;
+        unsigned long long v = p && PyLong_Check(p) ? PyLong_AsUnsignedLongLong(p) : 0;
+        Py_XDECREF(pin);
+        Py_XDECREF(p);
+        if (PyErr_Occurred() || !v) { out = soft_clear() < 0 ? -1 : MISS; goto done; }
+        if (!seg_usable(s)) goto done;
+        s->pinned_ptr = v;
+    }
+    /* the capture state first (a capture begun since begin() is the Python path's
+     * to refuse), then nothing but the source's checks before the snapshot */
+    CarriedLauncher *L = core_launcher(c);
+    int idle = not_capturing(c, L, 0);
+    if (idle <= 0) { out = idle < 0 ? -1 : MISS; goto done; }
+    if (c->seg != (PyObject *)s || !core_usable(c, me) || !c->in_step || c->capturing ||
+        S->check_mode)
+        goto done;
+    Eager e;
+    int r = eager_source(s, dst, src, &e);
+    if (r <= 0) { out = r < 0 ? -1 : MISS; goto done; }
+    if (c->seg != (PyObject *)s || !core_usable(c, me) || !s->slot ||
+        !PyObject_TypeCheck(s->slot, &SlotCoreType)) {
+        Py_DECREF(e.g.hold);
+        goto done;
+    }
+    /* the slot's top taken (take_top), nothing can fail from here until the copy */
+    PyObject *topv = PyLong_FromLongLong(e.top);
+    if (!topv) { Py_DECREF(e.g.hold); out = -1; goto done; }
+    SlotCore *slot = (SlotCore *)s->slot;
+    Py_SETREF(slot->top, topv);
+    s->top = e.top;
+    char *snap = (char *)s->view.buf + e.top;
+    if (e.spitch)
+        for (int64_t i = 0; i < e.g.rows; i++)
+            memcpy(snap + i * e.g.width, e.src + i * e.spitch, (size_t)e.g.width);
+    else
+        memcpy(snap, e.src, (size_t)e.g.nbytes);
+    /* work reading the slot is enqueued below: its event follows, at the flush */
+    Py_SETREF(slot->dirty, Py_NewRef(Py_True));
+    addr_t host = s->pinned_ptr + (addr_t)e.top;
+    unsigned long long stream;
+    int rc = -1;
+    if (L && L->copy && c->handle && u64_field(c->handle, &stream))
+        rc = L->copy(L->drv, e.g.ptr, (unsigned long long)e.g.pitch, (const void *)(uintptr_t)host,
+                     (unsigned long long)e.g.width, (unsigned long long)e.g.width,
+                     (unsigned long long)e.g.rows, stream);
+    PyErr_Clear(); /* (u64_field on a handle that is not an int) */
+    if (rc != 0) {
+        /* no C copy (the simulator, another context current) or a failed one: the
+         * backend's copy2d, which copies or raises the error it reports */
+        PyObject *be = PyObject_GetAttr(self, S->s_backend_attr);
+        PyObject *fn = be ? PyObject_GetAttr(be, S->s_copy2d) : NULL;
+        PyObject *st = fn ? PyObject_GetAttr(self, S->s_stream_attr) : NULL;
+        PyObject *a1 = st ? PyLong_FromUnsignedLongLong(e.g.ptr) : NULL;
+        PyObject *a2 = a1 ? PyLong_FromLongLong(e.g.pitch) : NULL;
+        PyObject *a3 = a2 ? PyLong_FromUnsignedLongLong(host) : NULL;
+        PyObject *a4 = a3 ? PyLong_FromLongLong(e.g.width) : NULL;
+        PyObject *a5 = a4 ? PyLong_FromLongLong(e.g.rows) : NULL;
+        PyObject *res = NULL;
+        if (a5) {
+            PyObject *v[8] = {Py_True, a1, a2, a3, a4, a4, a5, st};
+            res = PyObject_Vectorcall(fn, v, 8, NULL);
+        }
+        Py_XDECREF(be); Py_XDECREF(fn); Py_XDECREF(st);
+        Py_XDECREF(a1); Py_XDECREF(a2); Py_XDECREF(a3); Py_XDECREF(a4); Py_XDECREF(a5);
+        if (!res) { Py_DECREF(e.g.hold); out = -1; goto done; }
+        Py_DECREF(res);
+    }
+    Py_DECREF(e.g.hold);
+    Py_ssize_t i = count_index(s, site); /* its eager count (stats.sites[site].eager) */
+    if (i < 0) { out = -1; goto done; }
+    s->evals[i]++;
+    out = STAGED;
+done:
+    Py_DECREF(s);
+    return out;
 }
 
 static PyMethodDef copiercore_methods[] = {

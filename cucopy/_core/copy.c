@@ -319,6 +319,84 @@ fail:
     return -1;
 }
 
+/* -- the eager path's common case (copier.c's core_eager issues it) ---------------
+ *
+ * An H2D copy through a site the plan does not merge, in the open step: the
+ * destination's geometry from its cache entry, the source's bytes from a NumPy array's
+ * fields or a cached source, and room at the slot's top. The caller snapshots the bytes
+ * there at once and issues one driver copy. */
+typedef struct {
+    Geo g;
+    const char *src; /* the source's first byte */
+    int64_t spitch;  /* bytes between its rows (0: packed) */
+    int64_t top;     /* the snapshot's offset in the slot */
+} Eager;
+
+/* 1: e is filled (e->g.hold held: Py_DECREF it), 0: a miss, -1: an error. Nothing is
+ * written until it answers 1; the slot's top is then taken (the last step, with no
+ * Python code run after it). */
+static int eager_source(Segment *s, PyObject *dst, PyObject *src, Eager *e) {
+    Geo *g = &e->g;
+    int r = dst_geo(s, dst, g);
+    if (r <= 0) return r;
+    e->spitch = 0;
+    e->src = NULL;
+    if ((PyObject *)Py_TYPE(src) == S->ndarray_type && (S->foreign & FOREIGN_NUMPY)) {
+        NpArray *a = (NpArray *)src;
+        if (a->descr != g->dtype || a->nd > MAXDIM) goto miss;
+        int64_t n = 1;
+        for (int i = 0; i < a->nd; i++) n *= a->dimensions[i];
+        if (n * g->itemsize != g->nbytes || !shape_fits(a->nd, a->dimensions, g->ndim, g->shape))
+            goto miss;
+        if (a->flags & NPY_C_CONTIGUOUS_FLAG)
+            e->src = a->data;
+        else if (a->nd == 2 && g->kind == KIND_H2D_2D && a->dimensions[0] == g->rows &&
+                 a->strides[1] == g->itemsize && a->dimensions[1] * g->itemsize == g->width &&
+                 a->strides[0] >= g->width) {
+            e->src = a->data; /* rows of packed elements, not packed together: gathered */
+            e->spitch = a->strides[0];
+        } else
+            goto miss;
+    } else if ((PyObject *)Py_TYPE(src) != S->ndarray_type) {
+        Cached *sc = (Cached *)front_get(&s->sfront, s->scache, src);
+        if (!sc) { if (PyErr_Occurred()) goto fail; goto miss; }
+        Py_INCREF(sc);
+        int v = 0;
+        if (sc->nbytes == g->nbytes && sc->ndim >= 0 &&
+            shape_fits(sc->ndim, (const Py_ssize_t *)sc->shape, g->ndim, g->shape)) {
+            int eq = sc->dtype == g->dtype ? 1
+                                           : PyObject_RichCompareBool(sc->dtype, g->dtype, Py_EQ);
+            if (eq < 0) v = soft_clear() < 0 ? -1 : 0;
+            else if (eq == 1) v = cached_valid(sc, src);
+        }
+        addr_t p = sc->ptr;
+        Py_DECREF(sc);
+        if (v < 0) goto fail;
+        if (v == 0) goto miss;
+        e->src = (const char *)(uintptr_t)p;
+    } else {
+        goto miss; /* a NumPy array read through the public path: the Python path's */
+    }
+    /* the fingerprint and the view's attributes ran Python code: asked again */
+    if (!seg_usable(s)) goto miss;
+    /* program order: a copy over (or under) staged bytes lands them first (Python) */
+    if (nstaged(s) &&
+        (ranges_overlaps(&s->writes, g->lo, g->hi) || ranges_overlaps(&s->reads, g->lo, g->hi)))
+        goto miss;
+    /* the slot's top, as take_top() */
+    int64_t top = (s->top - g->nbytes) & -(int64_t)ALIGN;
+    int64_t tail = nstaged(s) ? reserve_tail(s) : 0;
+    if (top < max64(s->cursor, s->bottom) + tail) goto miss; /* (a temporary: Python's) */
+    e->top = top;
+    return 1;
+miss:
+    Py_DECREF(g->hold);
+    return 0;
+fail:
+    Py_DECREF(g->hold);
+    return -1;
+}
+
 static PyObject *seg_stage(Segment *s, PyObject *args);
 
 static PyObject *seg_try_fill(Segment *s, PyObject *const *args, Py_ssize_t nargs) {

@@ -23,6 +23,8 @@ typedef struct {
 
 static PyObject *core_seg(PyObject *self); /* a CopierCore's segment (borrowed), or NULL */
 static PyObject *core_fastcopy(PyObject *self); /* its class's FastCopy (borrowed), or NULL */
+static int core_eager(PyObject *self, PyObject *site, PyObject *dst, PyObject *src,
+                      PyObject *on_drop); /* the eager path's common case (copier.c) */
 
 static PyObject *fastcopy_call(FastCopy *f, PyObject *const *args, size_t nargsf,
                                PyObject *kwnames) {
@@ -46,6 +48,8 @@ static PyObject *fastcopy_call(FastCopy *f, PyObject *const *args, size_t nargsf
     if (Py_TYPE(seg) != &SegmentType) { Py_DECREF(seg); goto full; }
     int code = h2d_fast((Segment *)seg, args[1], args[2], args[3], on_drop, 0);
     Py_DECREF(seg);
+    if (code == MISS) /* a site the plan does not merge: copied eagerly, from C */
+        code = core_eager(self, args[1], args[2], args[3], on_drop);
     if (code < 0) return NULL;
     if (code == STAGED) Py_RETURN_TRUE;
     if (code == BARRIER) {

@@ -121,10 +121,14 @@ typedef struct {
     PyObject *merge, *barriers, *fills;
     PyObject **ckeys; /* per-site merged counts: an open-addressed table by site identity */
     Py_ssize_t *cvals;
-    unsigned char *cflags; /* the site's plan, once asked: SITE_KNOWN | SITE_MERGE | SITE_BARRIER */
+    Py_ssize_t *evals; /* per-site eager copies the compiled eager path issued (fold_eager) */
+    unsigned char *cflags; /* the site's plan, once asked: SITE_KNOWN | SITE_MERGE | SITE_BARRIER
+                            * | SITE_EAGER */
     Py_ssize_t ccap, cused;
     PyObject *slot;
     Py_buffer view; /* the slot's pinned bytes, held while bound */
+    addr_t pinned_ptr; /* the bound slot's pinned.ptr (the eager copy's source), 0: not read */
+    PyObject *site_type, *h2d; /* set_eager(CopySite, H2D): which sites copy eagerly in C */
     int bound;
     int fast, wide;
     int64_t headroom; /* free bytes the bound slot has before its first byte (slot.headroom) */
@@ -215,6 +219,7 @@ static int seg_traverse(Segment *s, visitproc visit, void *arg) {
     for (Py_ssize_t i = 0; i < s->nraw; i++) { Py_VISIT(s->raw[i].site); Py_VISIT(s->raw[i].on_drop); }
     Py_VISIT(s->dcache); Py_VISIT(s->scache); Py_VISIT(s->vtypes);
     Py_VISIT(s->capq); Py_VISIT(s->caparg);
+    Py_VISIT(s->site_type); Py_VISIT(s->h2d);
     return 0; /* the fronts hold Cached entries only: they reference nothing back */
 }
 
@@ -229,6 +234,7 @@ static void seg_release(Segment *s) {
 static int seg_clear(Segment *s) {
     seg_release(s);
     Py_CLEAR(s->merge); Py_CLEAR(s->barriers); Py_CLEAR(s->fills);
+    Py_CLEAR(s->site_type); Py_CLEAR(s->h2d);
     for (Py_ssize_t i = 0; i < s->ccap; i++) Py_CLEAR(s->ckeys[i]);
     Py_CLEAR(s->entries); Py_CLEAR(s->spare);
     raw_drop(s);
@@ -247,6 +253,7 @@ static void seg_dealloc(Segment *s) {
     PyMem_Free(s->raw);
     PyMem_Free(s->ckeys);
     PyMem_Free(s->cvals);
+    PyMem_Free(s->evals);
     PyMem_Free(s->cflags);
     PyMem_Free(s->writes.lo); PyMem_Free(s->writes.hi);
     PyMem_Free(s->reads.lo); PyMem_Free(s->reads.hi);
@@ -341,6 +348,7 @@ static int contains(PyObject *set, PyObject *key) {
 #define SITE_KNOWN 1
 #define SITE_MERGE 2
 #define SITE_BARRIER 4
+#define SITE_EAGER 8 /* an H2D site the plan does not merge: the compiled eager path's */
 static int site_flags(Segment *s, PyObject *site);
 
 
@@ -357,6 +365,7 @@ static PyObject *seg_bind(Segment *s, PyObject *slot) {
         if (r < 0) { Py_DECREF(arr); return NULL; }
         s->bound = 1;
         s->slot = Py_NewRef(slot);
+        s->pinned_ptr = 0; /* read at the slot's first eager copy */
         s->size = s->view.len;
         /* the bytes a carried launch may write before offset 0 (see launch_carried) */
         PyObject *h = PyObject_GetAttr(slot, S->s_headroom);

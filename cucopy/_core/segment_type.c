@@ -21,9 +21,10 @@ static Py_ssize_t count_index(Segment *s, PyObject *site) {
         Py_ssize_t cap = s->ccap ? 2 * s->ccap : 64;
         PyObject **keys = PyMem_Calloc((size_t)cap, sizeof(PyObject *));
         Py_ssize_t *vals = PyMem_Calloc((size_t)cap, sizeof(Py_ssize_t));
+        Py_ssize_t *evals = PyMem_Calloc((size_t)cap, sizeof(Py_ssize_t));
         unsigned char *flags = PyMem_Calloc((size_t)cap, 1);
-        if (!keys || !vals || !flags) {
-            PyMem_Free(keys); PyMem_Free(vals); PyMem_Free(flags);
+        if (!keys || !vals || !evals || !flags) {
+            PyMem_Free(keys); PyMem_Free(vals); PyMem_Free(evals); PyMem_Free(flags);
             PyErr_NoMemory();
             return -1;
         }
@@ -32,13 +33,16 @@ static Py_ssize_t count_index(Segment *s, PyObject *site) {
             Py_ssize_t j = count_slot(keys, cap, s->ckeys[i]);
             keys[j] = s->ckeys[i];
             vals[j] = s->cvals[i];
+            evals[j] = s->evals[i];
             flags[j] = s->cflags[i];
         }
         PyMem_Free(s->ckeys);
         PyMem_Free(s->cvals);
+        PyMem_Free(s->evals);
         PyMem_Free(s->cflags);
         s->ckeys = keys;
         s->cvals = vals;
+        s->evals = evals;
         s->cflags = flags;
         s->ccap = cap;
     }
@@ -59,15 +63,30 @@ static int count_merged(Segment *s, PyObject *site, Py_ssize_t n) {
     return 0;
 }
 
+/* SITE_EAGER when site is an H2D CopySite (set_eager's type and direction), else 0;
+ * -1 on error. Asked only of sites the plan does not merge. */
+static int eager_site(Segment *s, PyObject *site) {
+    if (!s->site_type || !s->h2d || !PyType_Check(s->site_type)) return 0;
+    int is = PyObject_IsInstance(site, s->site_type);
+    if (is <= 0) return is;
+    PyObject *d = PyObject_GetAttrString(site, "direction");
+    if (!d) return soft_clear();
+    int e = d == s->h2d;
+    Py_DECREF(d);
+    return e ? SITE_EAGER : 0;
+}
+
 /* whether the plan merges site and makes it a barrier (SITE_MERGE, SITE_BARRIER bits),
- * asked of the plan's frozen sets once per site and kept in the count table (two set
- * lookups a copy otherwise); -1 on error */
+ * or, not merged, whether it is an H2D site (SITE_EAGER), asked of the plan's frozen
+ * sets once per site and kept in the count table (two set lookups a copy otherwise);
+ * -1 on error */
 static int site_flags(Segment *s, PyObject *site) {
     if (!PyFrozenSet_CheckExact(s->merge) || !PyFrozenSet_CheckExact(s->barriers)) {
         int m = contains(s->merge, site);
         int b = m == 1 ? contains(s->barriers, site) : 0;
-        if (m < 0 || b < 0) return -1;
-        return (m ? SITE_MERGE : 0) | (b ? SITE_BARRIER : 0);
+        int e = m == 0 ? eager_site(s, site) : 0;
+        if (m < 0 || b < 0 || e < 0) return -1;
+        return (m ? SITE_MERGE : 0) | (b ? SITE_BARRIER : 0) | e;
     }
     if (s->ccap) {
         Py_ssize_t i = count_slot(s->ckeys, s->ccap, site);
@@ -75,8 +94,9 @@ static int site_flags(Segment *s, PyObject *site) {
     }
     int m = contains(s->merge, site);
     int b = m == 1 ? contains(s->barriers, site) : 0;
-    if (m < 0 || b < 0) return -1;
-    int f = (m ? SITE_MERGE : 0) | (b ? SITE_BARRIER : 0);
+    int e = m == 0 ? eager_site(s, site) : 0;
+    if (m < 0 || b < 0 || e < 0) return -1;
+    int f = (m ? SITE_MERGE : 0) | (b ? SITE_BARRIER : 0) | e;
     Py_ssize_t i = count_index(s, site);
     if (i < 0) return -1;
     s->cflags[i] = (unsigned char)(f | SITE_KNOWN);
@@ -99,6 +119,36 @@ static PyObject *seg_fold(Segment *s, PyObject *unused) {
         s->cvals[i] = 0;
     }
     return out;
+}
+
+static PyObject *seg_fold_eager(Segment *s, PyObject *unused) {
+    /* {site: eager copies the compiled eager path issued since the last fold} */
+    PyObject *out = PyDict_New();
+    if (!out) return NULL;
+    for (Py_ssize_t i = 0; i < s->ccap; i++) {
+        if (!s->ckeys[i] || !s->evals[i]) continue;
+        PyObject *v = PyLong_FromSsize_t(s->evals[i]);
+        if (!v || PyDict_SetItem(out, s->ckeys[i], v) < 0) {
+            Py_XDECREF(v);
+            Py_DECREF(out);
+            return NULL;
+        }
+        Py_DECREF(v);
+        s->evals[i] = 0;
+    }
+    return out;
+}
+
+static PyObject *seg_set_eager(Segment *s, PyObject *const *args, Py_ssize_t nargs) {
+    /* set_eager(site_type, h2d): H2D sites outside the plan copy eagerly in C */
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "set_eager(site_type, h2d)");
+        return NULL;
+    }
+    Py_XSETREF(s->site_type, Py_NewRef(args[0]));
+    Py_XSETREF(s->h2d, Py_NewRef(args[1]));
+    if (s->cflags) memset(s->cflags, 0, (size_t)s->ccap); /* asked again */
+    Py_RETURN_NONE;
 }
 
 static void seg_reset_state(Segment *s) {
@@ -272,6 +322,11 @@ static PyMethodDef seg_methods[] = {
     {"finish", (PyCFunction)seg_finish, METH_NOARGS, "Count and close a launched segment."},
     {"fold", (PyCFunction)seg_fold, METH_NOARGS,
      "Merged copies per site since the last fold (the counts restart)."},
+    {"fold_eager", (PyCFunction)seg_fold_eager, METH_NOARGS,
+     "Eager copies the compiled eager path issued per site since the last fold."},
+    {"set_eager", (PyCFunction)(void (*)(void))seg_set_eager, METH_FASTCALL,
+     "set_eager(site_type, h2d): sites of this type and direction, not merged, may be "
+     "copied eagerly by the compiled copy."},
     {"reset", (PyCFunction)seg_reset, METH_NOARGS, "Close without landing; returns entries."},
     {NULL},
 };

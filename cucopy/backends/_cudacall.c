@@ -45,6 +45,28 @@ typedef int (*capturing_fn)(void *stream, int *status);
 typedef int (*ctx_current_fn)(void **ctx);
 typedef int (*event_record_fn)(void *event, void *stream);
 typedef int (*event_query_fn)(void *event);
+typedef int (*htod_fn)(unsigned long long dst, const void *src, size_t bytes, void *stream);
+
+/* cuda.h's CUDA_MEMCPY2D (cuMemcpy2DAsync_v2's argument) */
+typedef struct {
+    size_t srcXInBytes, srcY;
+    int srcMemoryType; /* CUmemorytype: 1 host, 2 device */
+    const void *srcHost;
+    unsigned long long srcDevice;
+    void *srcArray;
+    size_t srcPitch;
+    size_t dstXInBytes, dstY;
+    int dstMemoryType;
+    void *dstHost;
+    unsigned long long dstDevice;
+    void *dstArray;
+    size_t dstPitch;
+    size_t WidthInBytes, Height;
+} Memcpy2D;
+typedef int (*copy2d_fn)(const Memcpy2D *p, void *stream);
+#define MEMORYTYPE_HOST 1
+#define MEMORYTYPE_DEVICE 2
+#define MAX_2D_PITCH 0x7fffffffULL /* cudaDevAttrMaxPitch (the backend's _MAX_2D_PITCH) */
 
 /* cuda.h's CUDA_KERNEL_NODE_PARAMS_v2 (the v1 struct, which cuGraphAddKernelNode
  * takes, is its prefix up to extra) */
@@ -101,6 +123,9 @@ typedef struct {
     /* cuEventRecord and cuEventQuery: set by events(); NULL until then */
     event_record_fn event_record;
     event_query_fn event_query;
+    /* cuMemcpyHtoDAsync_v2 and cuMemcpy2DAsync_v2: set by copies(); NULL until then */
+    htod_fn htod;
+    copy2d_fn copy2d;
     CarriedLauncher launcher;
     /* one-node graphs of the whole-segment kernel: set by graphs(); NULL until then */
     graph_create_fn graph_create;
@@ -139,6 +164,8 @@ static int Driver_init(Driver *self, PyObject *args, PyObject *kw) {
     self->ctx = NULL;
     self->event_record = NULL;
     self->event_query = NULL;
+    self->htod = NULL;
+    self->copy2d = NULL;
     self->graph_launch = NULL;
     self->whole = NULL;
     self->graph_cap = 0;
@@ -180,6 +207,20 @@ static PyObject *Driver_events(Driver *self, PyObject *args) {
     }
     self->event_record = (event_record_fn)(uintptr_t)record;
     self->event_query = (event_query_fn)(uintptr_t)query;
+    Py_RETURN_NONE;
+}
+
+/* copies(htod, copy2d): cuMemcpyHtoDAsync_v2's and cuMemcpy2DAsync_v2's addresses;
+ * until then the launcher's copy() copies nothing and answers -1 */
+static PyObject *Driver_copies(Driver *self, PyObject *args) {
+    unsigned long long htod = 0, copy2d = 0;
+    if (!PyArg_ParseTuple(args, "KK", &htod, &copy2d)) return NULL;
+    if (!htod || !copy2d) {
+        PyErr_SetString(PyExc_ValueError, "copies: a null entry point");
+        return NULL;
+    }
+    self->htod = (htod_fn)(uintptr_t)htod;
+    self->copy2d = (copy2d_fn)(uintptr_t)copy2d;
     Py_RETURN_NONE;
 }
 
@@ -431,6 +472,40 @@ static int query_impl(void *drv, unsigned long long event) {
     return self->event_query((void *)(uintptr_t)event);
 }
 
+/* copy(dst, dpitch, src, spitch, width, rows, stream) -> CUresult of one H2D copy
+ * (cuMemcpyHtoDAsync for one row, cuMemcpy2DAsync for several), or a negative value
+ * when it copied nothing: -1 before copies() or for a pitch past the 2-D limit,
+ * OTHER_CONTEXT when another context is current */
+static int copy_impl(void *drv, unsigned long long dst, unsigned long long dpitch,
+                     const void *src, unsigned long long spitch, unsigned long long width,
+                     unsigned long long rows, unsigned long long stream) {
+    Driver *self = (Driver *)drv;
+    if (!self->htod || !self->copy2d || !width || !rows) return -1;
+    if (!same_context(self)) return OTHER_CONTEXT;
+    void *st = (void *)(uintptr_t)stream;
+    if (rows == 1) return self->htod(dst, src, (size_t)width, st);
+    if (dpitch > MAX_2D_PITCH || spitch > MAX_2D_PITCH) return -1;
+    Memcpy2D p;
+    memset(&p, 0, sizeof p);
+    p.srcMemoryType = MEMORYTYPE_HOST;
+    p.srcHost = src;
+    p.srcPitch = (size_t)spitch;
+    p.dstMemoryType = MEMORYTYPE_DEVICE;
+    p.dstDevice = dst;
+    p.dstPitch = (size_t)dpitch;
+    p.WidthInBytes = (size_t)width;
+    p.Height = (size_t)rows;
+    return self->copy2d(&p, st);
+}
+
+static PyObject *Driver_copy(Driver *self, PyObject *const *args, Py_ssize_t nargs) {
+    unsigned long long v[7];
+    if (ull_args(args, nargs, 7, v, "copy(dst, dpitch, src, spitch, width, rows, stream)") < 0)
+        return NULL;
+    return PyLong_FromLong(
+        copy_impl(self, v[0], v[1], (const void *)(uintptr_t)v[2], v[3], v[4], v[5], v[6]));
+}
+
 static PyObject *Driver_event_record(Driver *self, PyObject *const *args, Py_ssize_t nargs) {
     unsigned long long v[2];
     if (ull_args(args, nargs, 2, v, "event_record(event, stream)") < 0) return NULL;
@@ -511,6 +586,7 @@ static PyObject *Driver_launcher(Driver *self, PyObject *Py_UNUSED(unused)) {
     self->launcher.carried_at = carried_at_impl;
     self->launcher.graphed = graphed_impl;
     self->launcher.capturing = capturing_impl;
+    self->launcher.copy = copy_impl;
     self->launcher.graph_cap = self->graph_cap;
     PyObject *cap = PyCapsule_New(&self->launcher, LAUNCHER_NAME, launcher_free);
     if (!cap) return NULL;
@@ -542,6 +618,11 @@ static PyMethodDef Driver_methods[] = {
      "bind(ctx_get_current, ctx): check the current context is ctx before every call."},
     {"events", (PyCFunction)Driver_events, METH_VARARGS,
      "events(record, query): cuEventRecord's and cuEventQuery's addresses."},
+    {"copies", (PyCFunction)Driver_copies, METH_VARARGS,
+     "copies(htod, copy2d): cuMemcpyHtoDAsync_v2's and cuMemcpy2DAsync_v2's addresses."},
+    {"copy", (PyCFunction)(void (*)(void))Driver_copy, METH_FASTCALL,
+     "copy(dst, dpitch, src, spitch, width, rows, stream) -> CUresult of one H2D copy; "
+     "-1 before copies() or for a pitch past the 2-D limit."},
     {"launcher", (PyCFunction)Driver_launcher, METH_NOARGS,
      "launcher() -> a capsule of the carried launch and event calls for the staging core."},
     {"is_capturing", (PyCFunction)Driver_is_capturing, METH_O,

@@ -457,7 +457,8 @@ def _compiled_driver():
 
     None when :func:`cudacall_module` is, or when the driver library lacks an entry
     point. Its event calls (``cuEventRecord`` and ``cuEventQuery``, which the staging
-    core makes through the launcher) are set when the driver has both; without them
+    core makes through the launcher) are set when the driver has both, and so is its
+    eager copy (``cuMemcpyHtoDAsync_v2`` and ``cuMemcpy2DAsync_v2``); without them
     they answer -1 and the staging core records and queries through the backend.
     (A runtime event handle, as :meth:`CudaBackend.event_create` returns, is the
     driver's ``CUevent``.)
@@ -475,6 +476,11 @@ def _compiled_driver():
     query = _driver_entry("cuEventQuery")
     if record is not None and query is not None:
         fast.events(ctypes.cast(record, addr).value, ctypes.cast(query, addr).value)
+    # the eager path's one driver copy (the launcher's copy(): _core/copy.c)
+    htod = _driver_entry("cuMemcpyHtoDAsync_v2")
+    copy2d = _driver_entry("cuMemcpy2DAsync_v2")
+    if htod is not None and copy2d is not None:
+        fast.copies(ctypes.cast(htod, addr).value, ctypes.cast(copy2d, addr).value)
     return fast
 
 
