@@ -8,7 +8,8 @@ Usage:
 Each case is one ``bench/probes/instr_step.py`` measurement (callgrind: the
 instructions of one step, 520 minus 20 steps over 500, against a no-op driver): the
 decode mix at N = 8, 32 and 128 from NumPy sources, the same from torch CPU tensors,
-and N = 32 unchanged buffer updates (``--skip``). ``bench/instr_thresholds.json`` holds
+N = 32 unchanged buffer updates (``--skip``), and N = 32 plain copies (``--plain``: a plan
+that merges nothing, the compiled eager path). ``bench/instr_thresholds.json`` holds
 each case's reference count and its ceiling (the reference + 10 %); a count over its
 ceiling fails the gate, and so does a case the file lacks or a case it holds that was
 not counted. Counts repeat to a few in ten thousand on one machine, so the 10 % is room
@@ -35,15 +36,16 @@ if __package__ in (None, ""):
 THRESHOLDS = Path(__file__).resolve().parent / "instr_thresholds.json"
 MARGIN = 0.10  # a ceiling is the reference + 10 %
 
-# name -> (N, instr_step's options: skip, torch sources)
-CASES: dict[str, tuple[int, bool, bool]] = {
-    "n8": (8, False, False),
-    "n32": (32, False, False),
-    "n128": (128, False, False),
-    "n8-torch": (8, False, True),
-    "n32-torch": (32, False, True),
-    "n128-torch": (128, False, True),
-    "n32-skip": (32, True, False),
+# name -> (N, instr_step's options: skip, torch sources, plain: nothing merged)
+CASES: dict[str, tuple[int, bool, bool, bool]] = {
+    "n8": (8, False, False, False),
+    "n32": (32, False, False, False),
+    "n128": (128, False, False, False),
+    "n8-torch": (8, False, True, False),
+    "n32-torch": (32, False, True, False),
+    "n128-torch": (128, False, True, False),
+    "n32-skip": (32, True, False, False),
+    "n32-plain": (32, False, False, True),  # the compiled eager path (issue 29)
 }
 
 
@@ -114,9 +116,9 @@ def count(names: list[str], jobs: int | None = None) -> dict[str, float]:
 
         def one(run):
             name, steps = run
-            n, skip, torch_src = CASES[name]
+            n, skip, torch_src, plain = CASES[name]
             out = where / f"{name}-{steps}.out"
-            return probe._count(n, steps, lib, out, True, "auto", skip, torch_src)
+            return probe._count(n, steps, lib, out, True, "auto", skip, torch_src, plain)
 
         with ThreadPoolExecutor(jobs or os.cpu_count() or 1) as pool:
             got = dict(zip(runs, pool.map(one, runs)))
