@@ -634,3 +634,37 @@ def test_check_mode_names_the_site_whose_copy_read_the_byte(check_mode):
     with pytest.raises(cc.CopyError, match=r"^Site\.PLAIN: HostGuard 'mask'.*byte 116 "):
         w.g.wait()
     w.g.wait()  # reported once
+
+
+def test_a_graph_steps_in_place_copies_are_fenced_at_its_end():
+    """A graph step's end is no flush (its copies wait for the replay), but its in-place
+    copies were issued at the call: the guard's event is recorded at the step's end."""
+    w = World()
+    with w.dev.capture(w.s) as graph:
+        feed = w.c.capture_inputs()
+    old = w.buf.copy()
+    with w.c.step(graph=feed):
+        w.c.copy(Site.POS, w.pos, np.full(8, 6, np.int32))  # waits for the replay
+        w.c.copy(Site.MASK, w.dst, w.buf, guard=w.g)
+    use = _use(w.g, w.c)
+    assert use.ticket == 1 and not use.owed
+    with w.g.write():
+        w.buf[...] = 0
+    feed.replay(graph)
+    assert w.host(w.pos).tolist() == [6] * 8
+    assert (w.host(w.dst) == old).all()
+
+
+def test_write_waits_for_the_guards_event_not_for_the_stream():
+    """Work enqueued after the step (the engine's graph replay) does not hold up the
+    owner's write: the wait ends at the guard's event, recorded at the step's flush."""
+    w = World()
+    ran = []
+    with w.c.step():
+        w.c.copy(Site.MASK, w.dst, w.buf, guard=w.g)
+    w.s.launch(lambda: ran.append("model"))  # later work on the same stream
+    with w.g.write():
+        assert ran == []  # not run: the write waited for the copy alone
+        w.buf[...] = 1
+    w.s.synchronize()
+    assert ran == ["model"]
