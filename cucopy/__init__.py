@@ -7,6 +7,7 @@ from .check import expect_landed
 from .copier import DeviceCopier, active_copier, copy, fill_tail, flush
 from .errors import CopyError
 from .feed import GraphFeed
+from .guard import HostGuard
 from .plan import CopyPlan
 from .sites import D2D, FILL, H2D, CopySite, Direction
 from .stats import CopyStats, SiteStats
@@ -24,6 +25,7 @@ __all__ = [
     "FILL",
     "GraphFeed",
     "H2D",
+    "HostGuard",
     "SiteStats",
     "active_copier",
     "copy",

@@ -17,6 +17,7 @@ from .adapters import ArrayInfo, fingerprint_fn, readonly_hint, resolve
 from .deadline import resolve_timeout
 from .errors import CopyError
 from .feed import GraphFeed
+from .guard import HostGuard
 from .plan import CopyPlan
 from .ring import DEMAND_WINDOW, StagingRing, WindowMax, free_orphans, orphan
 from .segment import BARRIER, FULL, ORDER, Segment, fits_shape
@@ -433,6 +434,11 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
         if _COMPILED:  # the totals its begin() and flush() count in C, read with stats'
             self.stats.pending_totals.append(self._take_counts)
         self._tables = WindowMax(DEMAND_WINDOW)  # largest table per step
+        # guards read in place by this step's copies, whose events the flush records
+        # (HostGuard._issued appends (guard, use) once per step), and, in check mode,
+        # the guards whose read bytes each flush verifies
+        self._guards_owed: list = []
+        self._guards_watched: weakref.WeakSet = weakref.WeakSet()
         self._try_h2d = self._seg.try_h2d
         # collected without close(): the ring is set aside, not freed by the collector
         self._finalizer = weakref.finalize(
@@ -515,6 +521,11 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
             elif self._checker is not None and self._checker.pending:
                 self._checker.verify_pending()
         finally:
+            if self._guards_owed:
+                try:
+                    self._fence_guards(False)
+                except Exception:
+                    pass  # still owed: the guard's write() records them
             try:
                 self._ring.record(self._stream)
             except Exception:
@@ -693,6 +704,8 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
             slot = self._ring.current
             if slot is not None and slot.dirty:
                 self._ring.record(self._stream)
+            if self._guards_owed or self._guards_watched:
+                self._fence_guards()
             return
         if self._closed or (self._in_step and self._owner != _thread_id()):
             self._live()  # raises
@@ -715,6 +728,34 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
         slot = self._ring.current
         if slot is not None and slot.dirty:
             self._ring.record(self._stream)
+        if self._guards_owed or self._guards_watched:
+            self._fence_guards()
+
+    def _fence_guards(self, verify: bool = True) -> None:
+        """The step's in-place copies are issued: record each guard's event once.
+
+        Then (``verify``), in check mode, verify that the bytes they read are unchanged
+        since, naming the site when not (:class:`~cucopy.HostGuard`). (A copy
+        through a guard dirties the slot, so the compiled flush leaves the step's end
+        to :meth:`_flush_rest`, which calls this.)
+        """
+        owed, self._guards_owed = self._guards_owed, []
+        for i, (guard, use) in enumerate(owed):
+            try:
+                if not guard._record_owed(use):
+                    self._guards_owed.append((guard, use))  # capturing: recorded later
+            except BaseException:
+                self._guards_owed.extend(owed[i:])
+                raise
+        if not check.CHECK_MODE:
+            self._guards_watched.clear()  # (check mode was turned off)
+        elif verify:
+            for guard in list(self._guards_watched):
+                if guard._watch is None or guard.closed:
+                    self._guards_watched.discard(guard)
+                    continue
+                with guard._lock:
+                    guard._verify("the copier's flush", None)
 
     def discard(self) -> None:
         """Drop everything staged and not yet flushed, calling each copy's ``on_drop``.
@@ -739,6 +780,8 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
                 self._slot.dirty = True
             if self._slot is not None:
                 self._ring.record(self._stream)
+            if self._guards_owed:  # in-place copies are issued: a discard drops none
+                self._fence_guards(False)
         finally:  # the dropped copies' owners hear of it, whatever happened above
             self._run_drops(entries)
 
@@ -851,6 +894,8 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
             if self._checker is not None:
                 self._checker.verify_pending()
             self._feed_pending = None
+        if self._guards_owed:
+            self._fence_guards(False)
 
     def _replay_feed(self, feed: GraphFeed, graph) -> None:
         """:meth:`GraphFeed.replay`: post the pending graph step (if any), then replay."""
@@ -993,7 +1038,16 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
 
     # -- copy -------------------------------------------------------------------------------
 
-    def copy(self, site: CopySite, dst, src, *, unchanged: bool = False, on_drop=None) -> bool:
+    def copy(
+        self,
+        site: CopySite,
+        dst,
+        src,
+        *,
+        unchanged: bool = False,
+        on_drop=None,
+        guard: HostGuard | None = None,
+    ) -> bool:
         """Copy ``src`` into ``dst`` through ``site``.
 
         Parameters
@@ -1014,6 +1068,14 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
             The caller asserts ``dst`` already holds these values; nothing is issued.
         on_drop : callable, optional
             Called if the staged copy is discarded before it lands.
+        guard : HostGuard, optional
+            Read ``src`` in place: ``src`` is a view of ``guard``'s pinned buffer
+            (contiguous, or one 2-D row-strided view such as ``buf[:r, :c]``), and the
+            copy is one asynchronous DMA from it, issued at the call (never merged,
+            never snapshotted: it reads the bytes as they are when the stream runs
+            it). The owner writes the buffer again only inside ``with
+            guard.write():``. An ``H2D`` site only; refused during graph capture.
+            With ``unchanged=True`` nothing is read and the guard is not used.
 
         Returns
         -------
@@ -1025,6 +1087,8 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
         TypeError, ValueError, CopyError
             Bad input, naming the site and the offending value; nothing staged is lost.
         """
+        if guard is not None:
+            return self._copy_guarded(site, dst, src, unchanged, on_drop, guard)
         if not unchanged:
             # the fast path: a merged H2D copy into a known destination, staged by the
             # segment (it checks the step, the thread and on_drop itself)
@@ -1092,6 +1156,79 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
         if direction is _H2D:
             return self._h2d(site, d, s, on_drop)
         return self._d2d(site, d, s, on_drop)
+
+    def _copy_guarded(self, site, dst, src, unchanged, on_drop, guard) -> bool:
+        """``copy(..., guard=guard)``: validate everything, then issue the copy in place.
+
+        Every check runs before anything is issued or a staged segment is flushed, so
+        an error leaves the copier as it was.
+        """
+        if self._closed or (self._in_step and self._owner != _thread_id()):
+            self._live(site)
+        direction = self._site(site, False)
+        if not isinstance(guard, HostGuard):
+            raise TypeError(
+                f"{site.label}: guard: expected a cucopy.HostGuard, got {type(guard).__qualname__}"
+            )
+        if direction is not _H2D:
+            raise ValueError(
+                f"{site.label}: guard= reads a host source in place; a {direction.name} "
+                "site has none"
+            )
+        if unchanged:  # nothing is read: the plain path skips (and verifies in check mode)
+            return self._copy_general(site, dst, src, True, on_drop)
+        guard._admit(site)  # closed, or its buffer freed: src (a view of it) is stale too
+        d = self._dst(site, dst)
+        s = self._src(site, src, direction)
+        if d.dtype != s.dtype:
+            raise TypeError(f"{site.label}: dtype mismatch: dst {d.label}, src {s.label}")
+        n = d.size
+        if n != s.size:
+            raise ValueError(
+                f"{site.label}: size mismatch: dst has {n} elements ({d.label}), "
+                f"src has {s.size} ({s.label})"
+            )
+        if d.shape != s.shape and len(s.shape) != 1 and not fits_shape(d.shape, s.shape):
+            raise ValueError(
+                f"{site.label}: shape mismatch: dst {d.label}, src {s.label}; src must "
+                "have dst's shape (leading dimensions of size 1 aside) or be flat"
+            )
+        if on_drop is not None and not callable(on_drop):
+            raise TypeError(f"{site.label}: on_drop must be callable, got {on_drop!r}")
+        if n == 0:
+            return False
+        if self._backend.is_capturing(self._stream):
+            raise ValueError(
+                f"{site.label}: guard= is refused during graph capture: the graph would "
+                "re-read the buffer at every replay, which no guard can fence; copy "
+                "without guard= (a captured copy reads its pinned source at each replay)"
+            )
+        self._refuse_capture_change(site)
+        use = guard._use(self, site)  # not pinned; check mode's bytes
+        it = d.dtype.itemsize
+        slo, shi = _layout.extent(s.ptr, s.shape, s.strides, it)
+        guard._inside(site, s, slo, shi)
+        copies = _in_place(site, d, s)
+        dlo, dhi = _layout.extent(d.ptr, d.shape, d.strides, it)
+        copy2d, stream = self._backend.copy2d, self._stream
+        reads = [(sp, spitch, width, rows) for _, _, sp, spitch, width, rows in copies]
+        if self._in_step:
+            seg = self._seg
+            if seg.staged and seg.overlaps(dlo, dhi):
+                self._order_flush()  # staged copies into (or reading) dst land first
+            for dp, dpitch, sp, spitch, width, rows in copies:
+                copy2d(True, dp, dpitch, sp, spitch, width, rows, stream)
+            # the slot's event then follows the step's work, and the compiled flush
+            # leaves the step's end to _flush_rest, which records the guard's event
+            self._slot.dirty = True
+            guard._issued(self, use, site, reads, True)
+        else:
+            if self._seg.staged:  # a graph step not replayed yet: it comes first
+                self._flush_segment()
+            for dp, dpitch, sp, spitch, width, rows in copies:
+                copy2d(True, dp, dpitch, sp, spitch, width, rows, stream)
+            guard._issued(self, use, site, reads, False)
+        return self._count_eager(site, "in_place" if site in self._merge else None)
 
     def _remember_dst(self, site, dst, d):
         """Cache a merged destination for the fast paths; returns its fingerprint function."""
@@ -1806,6 +1943,44 @@ def _snapshot(buf, off, s, nbytes, mv=None) -> None:
         np.copyto(buf[off : off + nbytes].view(host.dtype).reshape(host.shape), host)
 
 
+def _in_place(site, d, s) -> list:
+    """The 2-D copies of an in-place H2D copy from host view ``s`` into ``d``:
+    ``(dst, dpitch, src, spitch, width, rows)`` each, in C order."""
+    it = d.dtype.itemsize
+    fs = _layout.form(s.ptr, s.shape, s.strides, it)
+    if fs is None:
+        raise ValueError(
+            f"{site.label}: guard=: the source must be contiguous or one 2-D row-strided "
+            f"view (such as buf[:r, :c]), got {s.label} with strides {s.strides}"
+        )
+    pair = _pair(d, s)
+    if pair is not None:
+        (dp, rows, width, dpitch), (sp, _, _, spitch) = pair
+        return [(dp, dpitch, sp, spitch, width, rows)]
+    sp, srows, swidth, spitch = fs
+    blocks = _layout.blocks(d.ptr, d.shape, d.strides, it)
+    out = []
+    if srows == 1 or spitch == swidth:  # a contiguous source: a copy per block of dst
+        for ptr, rows, width, pitch in blocks:
+            out.append((ptr, pitch, sp, width, width, rows))
+            sp += rows * width
+        return out
+    # a row-strided source into a destination of other rows: walk both in C order
+    r = soff = 0
+    for ptr, rows, width, pitch in blocks:
+        for k in range(rows):
+            dp, left = ptr + k * pitch, width
+            while left:
+                take = min(left, swidth - soff)
+                out.append((dp, take, sp + r * spitch + soff, take, take, 1))
+                dp += take
+                left -= take
+                soff += take
+                if soff == swidth:
+                    r, soff = r + 1, 0
+    return out
+
+
 def _pair(d, s):
     """Matching 2-D forms of a D2D copy's two sides, or None."""
     it = d.dtype.itemsize
@@ -1965,19 +2140,30 @@ def _plain_copier(dst, site=None) -> DeviceCopier:
     return c
 
 
-def copy(site: CopySite, dst, src, *, unchanged: bool = False, on_drop=None) -> bool:
+def copy(
+    site: CopySite,
+    dst,
+    src,
+    *,
+    unchanged: bool = False,
+    on_drop=None,
+    guard: HostGuard | None = None,
+) -> bool:
     """Copy through the active copier, or as a plain async copy when none is active.
 
     The active copier is the one whose ``step()`` block is open here, or the one
     activated here (:func:`active_copier`). A plain copy is counted in
     ``cucopy.copier.unrouted`` (shown by :func:`cucopy.show_config`), and refused in
     check mode when ``cucopy.check.REFUSE_UNROUTED`` is set. A plain copy goes on the
-    array library's current stream and is still
-    snapshotted (the caller may overwrite a host source right after). Threads (and
+    array library's current stream and is still snapshotted (the caller may overwrite
+    a host source right after), unless ``guard=`` reads it in place
+    (:class:`~cucopy.HostGuard`). Threads (and
     tasks) with no active copier may make plain copies at the same time: each call
     has a plan-less copier to itself.
     See :meth:`DeviceCopier.copy` for the parameters.
     """
+    if guard is not None:  # (passed on only when given: the compiled copy takes it apart)
+        return _copy_guarded(site, dst, src, unchanged, on_drop, guard)
     c = _active.get()
     if c is None:
         c = _step_copier()
@@ -1987,6 +2173,19 @@ def copy(site: CopySite, dst, src, *, unchanged: bool = False, on_drop=None) -> 
     key, c = _lease(dst, site)
     try:
         return c.copy(site, dst, src, unchanged=unchanged, on_drop=on_drop)
+    finally:
+        _give_back(key, c)
+
+
+def _copy_guarded(site, dst, src, unchanged, on_drop, guard) -> bool:
+    """:func:`copy` with ``guard=``: through the active copier, or a plain copier."""
+    c = active_copier()
+    if c is not None:
+        return c.copy(site, dst, src, unchanged=unchanged, on_drop=on_drop, guard=guard)
+    _unrouted(site, dst, "copy")
+    key, c = _lease(dst, site)
+    try:
+        return c.copy(site, dst, src, unchanged=unchanged, on_drop=on_drop, guard=guard)
     finally:
         _give_back(key, c)
 

@@ -25,7 +25,8 @@ class SiteStats:
         Copies skipped as ``unchanged`` (and empty tails).
     fallback : collections.Counter
         Merged-site copies that ran eagerly, by reason: ``"layout"``,
-        ``"slot_full"``, ``"outside_step"``, ``"capture"``, ``"overlap"``.
+        ``"slot_full"``, ``"outside_step"``, ``"capture"``, ``"overlap"``,
+        ``"in_place"`` (read in place through a :class:`~cucopy.HostGuard`).
     checked : int
         Copies verified by check mode.
     """

@@ -188,9 +188,15 @@ class Program:
         Most copier calls in one step.
     check_mode : bool or None
         None draws it.
+    guarded : bool
+        Some H2D copies read a pinned pool in place through a :class:`cucopy.HostGuard`
+        (the pool written only inside ``guard.write()``). False draws nothing for them,
+        so the programs of a seed are the ones they were before guards existed.
     """
 
-    def __init__(self, dev: SimDevice, draw, bases=BASES, max_ops=10, check_mode=None):
+    def __init__(
+        self, dev: SimDevice, draw, bases=BASES, max_ops=10, check_mode=None, guarded=False
+    ):
         # the sim moves single bytes through CPython's cached 1-byte bytes objects; if
         # anything wrote into an immutable bytes object, every check below would fail
         # for a reason that has nothing to do with the copier
@@ -209,6 +215,9 @@ class Program:
             self.model.append(init.copy())
         self.pinned = dev.pinned_empty((POOL,), np.uint8)
         self.pageable = np.zeros(POOL, np.uint8)
+        self.guarded = dev.pinned_empty((POOL,), np.uint8) if guarded else None
+        self.guard = cc.HostGuard(self.guarded, label="pool") if guarded else None
+        self.holding = False  # inside a stream hold: a guard's write() would wait on it
         self.recent: list = []  # recent ops, for D2D chains and true unchanged claims
         self.drops: collections.Counter = collections.Counter()
         self.live: set = set()  # ids of copies staged and not yet flushed, as calls show it
@@ -398,7 +407,7 @@ class Program:
         d = self.d
         r = d.int(0, 99)
         if r < 40:
-            op = self.op_h2d()
+            op = self.op_guarded() if self.guard is not None and d.chance(35) else self.op_h2d()
         elif r < 61:
             op = self.op_d2d()
         elif r < 76:
@@ -456,6 +465,41 @@ class Program:
         np.invert(pool, out=pool)  # snapshot semantics: the caller reuses its buffer at once
         self.figures["copies"] += 1
         self.figures["bytes"] += n * dt.itemsize
+        return oid, ("h2d", v, values)
+
+    def op_guarded(self):
+        """An H2D copy read in place from the guarded pool, written inside ``write()``."""
+        d = self.d
+        if self.holding:  # write() waits for the copies that read the pool: not while held
+            return self.op_h2d()
+        site = d.pick(H_SITES)
+        v = self.again()
+        n, dt = v.n, v.dtype
+        it = dt.itemsize
+        dst = make_view(self.arrays[v.base], v)
+        values = d.bytes(n * it).view(dt)
+        pool = self.guarded
+        rows = dst.shape[0] if len(dst.shape) == 2 else 0
+        pad = d.int(1, 3)
+        with self.guard.write():  # waits for the copies still reading the pool
+            if rows and n * it + rows * pad * it <= POOL and d.chance(50):
+                # a 2-D row-strided view of the pool (buf[:r, :c])
+                cols = n // rows
+                off = d.int(0, (POOL - rows * (cols + pad) * it) // it) * it
+                src = pool[off : off + rows * (cols + pad) * it].view(dt)
+                src = src.reshape(rows, cols + pad)[:, :cols]
+            else:
+                off = d.int(0, (POOL - n * it) // it) * it
+                src = pool[off : off + n * it].view(dt)
+                if d.chance(50):
+                    src = src.reshape(dst.shape)
+            src[...] = values.reshape(src.shape)
+        oid = self.new_id()
+        self.log.append(f"#{oid} copy({site.label}, {v}, guarded {src.shape}{src.strides})")
+        assert self._copy(site, dst, src, oid, on_drop=self.dropper(oid), guard=self.guard)
+        self.figures["copies"] += 1
+        self.figures["guarded"] += 1
+        self.figures["bytes"] += n * it
         return oid, ("h2d", v, values)
 
     def op_d2d(self):
@@ -668,9 +712,13 @@ class Program:
                     k = min(d.int(1, self.slots), steps - done)
                     self.stream.synchronize()
                     self.log.append(f"== hold for {k} steps")
-                    with self.stream.hold():
-                        for _ in range(k):
-                            self.step()
+                    self.holding = True
+                    try:
+                        with self.stream.hold():
+                            for _ in range(k):
+                                self.step()
+                    finally:
+                        self.holding = False
                     self.log.append("== release")
                     self.figures["holds"] += 1
                     done += k
@@ -748,6 +796,21 @@ def test_seeded_programs(sim_env):
         dev = SimDevice(policy=sim_env.dev.policy, seed=seed)
         figs = Program(dev, draw, check_mode=False).run(steps=150)
         assert figs["mismatches"] == 0
+
+
+@pytest.mark.parametrize("checked", [False, True], ids=["plain", "check_mode"])
+def test_seeded_programs_with_guarded_copies(sim_env, checked):
+    """Copies read in place through a HostGuard, among the rest: the model still holds
+    (each write of the guarded pool waits for the copies reading it), and check mode
+    finds no unguarded write where there is none."""
+    guarded = 0
+    for seed in range(2):
+        draw = RandomDraw(1000 + seed)
+        dev = SimDevice(policy=sim_env.dev.policy, seed=seed)
+        figs = Program(dev, draw, check_mode=checked, guarded=True).run(steps=60)
+        assert figs["mismatches"] == 0
+        guarded += figs["guarded"]
+    assert guarded > 0
 
 
 # -- the long profile ------------------------------------------------------------------------------------

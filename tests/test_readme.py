@@ -19,8 +19,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
-#: a page whose Python blocks run too (moved out of the README)
+#: pages whose Python blocks run too (moved out of the README)
 GRAPH_FEEDS = (ROOT / "docs" / "graph_feeds.md").read_text()
+HOST_GUARD = (ROOT / "docs" / "host_guard.md").read_text()
 
 _BLOCK = re.compile(r"(?:<!-- test: (?P<mark>\w+) -->\n)?```python\n(?P<code>.*?)```", re.S)
 
@@ -36,7 +37,9 @@ def _blocks(page: str, prefix: str = ""):
 
 
 BLOCKS = _blocks(README)
-ALL_BLOCKS = BLOCKS + _blocks(GRAPH_FEEDS, prefix="graph_feeds-")
+ALL_BLOCKS = (
+    BLOCKS + _blocks(GRAPH_FEEDS, prefix="graph_feeds-") + _blocks(HOST_GUARD, prefix="host_guard-")
+)
 
 
 def _run(code: str, tmp_path: Path) -> subprocess.CompletedProcess:

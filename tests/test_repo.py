@@ -107,7 +107,7 @@ def test_slim_results_keeps_tables_and_drops_samples(tmp_path):
     assert (run / "bench.log").read_text() == "table\n"
 
 
-@pytest.mark.parametrize("name", ["CHANGELOG.md", "docs/graph_feeds.md"])
+@pytest.mark.parametrize("name", ["CHANGELOG.md", "docs/graph_feeds.md", "docs/host_guard.md"])
 def test_user_pages_carry_no_internal_references(name):
     import re
 

@@ -418,7 +418,7 @@ def test_copy_keeps_its_signature_whichever_path_runs(twin):
         assert isinstance(cc.DeviceCopier.__dict__["copy"], segment.FastCopy)
     assert "through ``site``" in cc.DeviceCopier.copy.__doc__
     params = list(inspect.signature(cc.DeviceCopier.copy).parameters)
-    assert params == ["self", "site", "dst", "src", "unchanged", "on_drop"]
+    assert params == ["self", "site", "dst", "src", "unchanged", "on_drop", "guard"]
     dev, c = _sim_copier()
     dst = dev.zeros((4,), np.int32)
     src = np.arange(4, dtype=np.int32)

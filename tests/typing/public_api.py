@@ -50,6 +50,18 @@ def program() -> None:
             assert_type(cc.copy(Site.POSITIONS, positions, np.ones(8, np.int32)), bool)
             assert_type(cc.fill_tail(Site.UNUSED_SLOT, positions, 4, 0), bool)
             cc.flush()
+        mask = dev.pinned_empty((4, 8), np.int32)
+        guard = cc.HostGuard(mask, label="mask")
+        with copier.step():
+            assert_type(copier.copy(Site.POSITIONS, positions, mask[0], guard=guard), bool)
+            assert_type(cc.copy(Site.POSITIONS, positions, mask[1], guard=guard), bool)
+        with guard.write() as g:
+            assert_type(g, cc.HostGuard)
+        guard.wait()
+        assert_type(guard.in_flight, bool)
+        assert_type(guard.label, str)
+        guard.close()
+        assert_type(guard.closed, bool)
         buf = cc.DeviceCopyBuffer(positions, site=Site.POSITIONS)
         assert_type(buf.update(np.zeros(8, np.int32)), bool)
         buf.invalidate()
