@@ -224,6 +224,7 @@ class CopierCore:
     _cap_for: int
     _cap: int
     _stepping: bool
+    _guarded: bool
     stats: object
     _cap_query: object
     _cap_arg: object

@@ -250,6 +250,7 @@ class PyCopierCore:
         "_cap_for",
         "_cap",
         "_stepping",
+        "_guarded",
         "stats",
         "_cap_query",
         "_cap_arg",
@@ -438,6 +439,7 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
         # (HostGuard._issued appends (guard, use) once per step), and, in check mode,
         # the guards whose read bytes each flush verifies
         self._guards_owed: list = []
+        self._guarded = False  # guards owed (the compiled flush declines while set)
         self._guards_watched: weakref.WeakSet = weakref.WeakSet()
         self._try_h2d = self._seg.try_h2d
         # collected without close(): the ring is set aside, not freed by the collector
@@ -740,13 +742,16 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
         to :meth:`_flush_rest`, which calls this.)
         """
         owed, self._guards_owed = self._guards_owed, []
-        for i, (guard, use) in enumerate(owed):
-            try:
-                if not guard._record_owed(use):
-                    self._guards_owed.append((guard, use))  # capturing: recorded later
-            except BaseException:
-                self._guards_owed.extend(owed[i:])
-                raise
+        try:
+            for i, (guard, use) in enumerate(owed):
+                try:
+                    if not guard._record_owed(use):
+                        self._guards_owed.append((guard, use))  # capturing: recorded later
+                except BaseException:
+                    self._guards_owed.extend(owed[i:])
+                    raise
+        finally:
+            self._guarded = bool(self._guards_owed)
         if not check.CHECK_MODE:
             self._guards_watched.clear()  # (check mode was turned off)
         elif verify:
@@ -1222,6 +1227,7 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
             # leaves the step's end to _flush_rest, which records the guard's event
             self._slot.dirty = True
             guard._issued(self, use, site, reads, True)
+            self._guarded = bool(self._guards_owed)  # the compiled flush leaves them to Python
         else:
             if self._seg.staged:  # a graph step not replayed yet: it comes first
                 self._flush_segment()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import os
 import struct
+import weakref
 
 import numpy as np
 import pytest
@@ -150,6 +151,26 @@ class FakeDriver:
 
 
 CAPS = [(1008, 0x1000), (2032, 0x2000), (4080, 0x4000), (32736, 0x8000)]
+
+#: fake drivers of landing copiers and the copiers, kept for the module's tests: a
+#: copier left to the garbage collector frees its Driver whenever the collector runs,
+#: and the Driver's dealloc calls the fake's graph destroy callbacks, which must not have
+#: been freed first (_drivers_before_fakes drops the Drivers at the module's end)
+_KEEP: list = []
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _drivers_before_fakes():
+    import gc
+
+    yield
+    for c, _fake in _KEEP:
+        c = c()
+        if c is not None:
+            c._launcher = c._ring._launcher = c._test_driver = None
+    gc.collect()  # the Drivers go while their fakes' callbacks still exist
+    _KEEP.clear()
+
 
 _GRAPH_CREATE = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint)
 _GRAPH_ADD = ctypes.CFUNCTYPE(
@@ -1049,6 +1070,7 @@ def _landing_copier(
         d.graphs(*fake.graph_addrs, WHOLE, pack.GRAPH_CAPACITY)
     c._launcher, c._handle = d.launcher(), 77
     c._test_driver = d
+    _KEEP.append((weakref.ref(c), fake))  # its callbacks outlive the Driver (see _KEEP)
     if events:
         c._ring._launcher = c._launcher
     return c, site, dev, fake, problems
@@ -1657,4 +1679,32 @@ def test_a_failed_driver_copy_is_made_through_the_backend():
             c.copy(Site.P, a, np.full(8, k, np.int32))
         assert dev.to_host(a).tolist() == [k] * 8
     assert c.stats.sites[Site.P].eager == 3 and problems == []
+    c.close()
+
+
+@needs_both
+@pytest.mark.parametrize("merged", [False, True])
+def test_the_compiled_flush_leaves_a_guards_event_to_the_python_flush(merged):
+    # a copy read in place through a HostGuard owes the guard's event at the step's
+    # flush: the compiled flush (which would otherwise record the slot's event itself,
+    # with nothing staged or after a carried launch) declines, and flush()'s Python body
+    # records it, so the owner's write() waits for exactly that copy
+    import cucopy as cc
+
+    c, Site, dev, fake, problems = _landing_copier("inline", events=True)
+    buf = dev.pinned_empty((64,), np.int32)
+    guard = cc.HostGuard(buf, label="mask")
+    a, m = dev.zeros((64,), np.int32), dev.zeros((4,), np.int32)
+    for k in range(2 * c._ring.slots):
+        with guard.write():
+            buf[:] = k
+        with c.step():
+            c.copy(Site.P, a, buf, guard=guard)
+            if merged:
+                c.copy(Site.A, m, np.full(4, k, np.int32))
+            assert c._guarded is True and len(c._guards_owed) == 1
+        assert c._guarded is False and c._guards_owed == []  # recorded at the flush
+        assert dev.to_host(a).tolist() == [k] * 64
+    assert problems == []
+    guard.close()
     c.close()

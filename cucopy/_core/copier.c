@@ -30,6 +30,7 @@
 typedef struct {
     PyObject_HEAD
     char closed, in_step, capturing, stepping; /* _closed, _in_step, _capturing, _stepping */
+    char guarded; /* _guarded: HostGuard events owed (their flush is the Python path's) */
     unsigned long long owner; /* _owner: the thread whose step is open (thread_id; 0: none) */
     long long cap_for, cap;   /* the slot size the table reservation is for, and it */
     long long carry_max;      /* the largest carried launch (0: none) */
@@ -268,7 +269,7 @@ static int flush_dirty(CopierCore *c) {
 
 static PyObject *copiercore_flush_fast(CopierCore *c, PyObject *unused) {
     uint64_t me = thread_id();
-    if (!core_usable(c, me)) Py_RETURN_FALSE;
+    if (!core_usable(c, me) || c->guarded) Py_RETURN_FALSE; /* (guards: _fence_guards) */
     Segment *seg = (Segment *)c->seg;
     RingCore *ring = (RingCore *)c->ring;
     if (!nstaged(seg)) {
@@ -511,6 +512,7 @@ static PyMethodDef copiercore_methods[] = {
 static PyMemberDef copiercore_members[] = {
     TYPED("_closed", T_BOOL, closed) TYPED("_in_step", T_BOOL, in_step)
     TYPED("_capturing", T_BOOL, capturing) TYPED("_stepping", T_BOOL, stepping)
+    TYPED("_guarded", T_BOOL, guarded)
     TYPED("_owner", T_ULONGLONG, owner) TYPED("_cap_for", T_LONGLONG, cap_for)
     TYPED("_cap", T_LONGLONG, cap) TYPED("_carry_max", T_LONGLONG, carry_max)
     TYPED("_mapped_max", T_LONGLONG, mapped_max) TYPED("_graph_cap", T_LONGLONG, graph_cap)
