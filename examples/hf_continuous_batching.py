@@ -30,11 +30,12 @@ subclasses that override only the upload method (:class:`RoutedIOPair`,
 other reference the engine holds sees the same objects.
 
 What goes up is what the step's ``prepare_batch_tensors`` rewrote on the host (its reset
-ranges, which hold everything it writes), one named :class:`Site` per buffer; padded
-tails of the KV index buffers are ``fill_tail`` fills, and an attention-mask block of
-:data:`RAW_MIN_BYTES` or more is one plain async copy from the engine's pinned buffer on
-the same stream instead of a snapshot (the engine already fences that buffer: see
-:class:`CucopyRoute`).
+ranges, which hold everything it writes), one named :class:`Site` per buffer, every byte
+through the copier (no side copies): padded tails of the KV index buffers are
+``fill_tail`` fills; a region of :data:`IN_PLACE_MIN_BYTES` or more (the attention mask,
+in prefill a wide bulk block) is read in place from the engine's pinned buffer through a
+``cc.HostGuard`` instead of snapshotted, and the engine's host writes of those buffers
+are fenced by the guards' ``write()`` (see :class:`CucopyRoute`); the rest is merged.
 
 :func:`build_manager` sets up the tiny model and its kept continuous-batching manager.
 Run as a script, this file generates once unmodified and once routed, checks the tokens
@@ -48,7 +49,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import logging
 import sys
 import time
@@ -109,10 +109,12 @@ from transformers.generation.continuous_batching.input_outputs import (  # noqa:
     HostDeviceIOPair,
 )
 
-#: A mask block at least this large is copied raw (see :class:`CucopyRoute`): snapshotting
-#: the 0.8-1 MB sdpa mask cost ~0.2 ms of host time a step on an H200 host, more than the
-#: whole unmodified upload (0.11 ms); a raw cudaMemcpyAsync costs ~2 us.
-RAW_MIN_BYTES = 64 << 10
+#: A region at least this large, of a pinned host buffer, is read in place through its
+#: ``cc.HostGuard`` (see :class:`CucopyRoute`): snapshotting the 0.8-1 MB sdpa mask cost
+#: ~0.2 ms of host time a step on an H200 host, more than the whole unmodified upload
+#: (0.11 ms); an in-place copy is one cudaMemcpy(2D)Async, a few us. Smaller regions are
+#: merged: their snapshot into the step's pack is cheaper than a copy of their own.
+IN_PLACE_MIN_BYTES = 64 << 10
 
 
 # -- the site map and the plan -----------------------------------------------------------------
@@ -133,7 +135,7 @@ class Site(cc.CopySite):
     OUTPUT_RESET = (
         cc.FILL
     )  # sync: output_ids[:, :b] = 0, which the engine's step does on the device
-    MASK = cc.H2D  # eager/sdpa attention mask rows, when under RAW_MIN_BYTES
+    MASK = cc.H2D  # eager/sdpa attention mask rows (in place from IN_PLACE_MIN_BYTES on)
 
 
 #: Which engine buffer (a ``ContinuousBatchingIOs`` attribute) each site writes.
@@ -186,14 +188,34 @@ def copy_accumulators(src, dst) -> None:
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
+def _pinned(is_pinned, arr) -> bool:
+    """Whether NumPy array ``arr``'s first and last bytes are pinned memory."""
+    lo = arr.ctypes.data
+    return bool(is_pinned(lo) and is_pinned(lo + max(arr.nbytes - 1, 0)))
+
+
+@contextlib.contextmanager
+def _write_all(guards):
+    """``with g.write():`` for every guard of ``guards`` at once."""
+    with contextlib.ExitStack() as stack:
+        for g in guards:
+            stack.enter_context(g.write())
+        yield
+
+
 class _Buffers:
     """A host ``ContinuousBatchingIOs`` and the device one it uploads into, as views made once.
 
     Host sides are NumPy views (cucopy's fastest source); device views made per step are
     cached by their length (torch slicing costs ~1-2 us a view; decode steps repeat them).
+
+    Each host buffer with a region that can reach ``min_bytes`` gets a ``cc.HostGuard``
+    (made once, when ``is_pinned`` says it is pinned): such a region is copied in place
+    through it, and every host write of the buffer goes inside :meth:`writing`. Buffers
+    whose regions stay smaller get none (their copies are merged: nothing to fence).
     """
 
-    def __init__(self, host, dev):
+    def __init__(self, host, dev, *, is_pinned=None, min_bytes: int = IN_PLACE_MIN_BYTES):
         self.host, self.dev = host, dev
         self.tokens = host.input_ids.numel()  # max_batch_tokens
         self.h_bulk = host._bulk_input_tensor.numpy()
@@ -207,14 +229,50 @@ class _Buffers:
         self.d_out = list(dev.output_ids)
         self.write_trash = int(dev._write_trash_index)
         self.read_trash = int(dev._read_trash_index)
-        self.masks = []  # (host tensor 2-D, host numpy 2-D, device tensor 2-D), same-size ints
+        self.guards: list = []  # every HostGuard below, for writing()
+
+        def guard(arr, largest: int, label: str):
+            # the largest region one copy reads from ``arr`` decides whether it can go in place
+            if is_pinned is None or largest < min_bytes or not _pinned(is_pinned, arr):
+                return None
+            g = cc.HostGuard(arr, label=f"host {label}")
+            self.guards.append(g)
+            return g
+
+        self.g_bulk = guard(self.h_bulk, self.h_bulk[:, : self.tokens + 1].nbytes, "bulk")
+        self.g_write = guard(self.h_write, self.h_write[0].nbytes, "write_index_storage")
+        self.g_read = guard(self.h_read, self.h_read[0].nbytes, "read_index_storage")
+        self.g_table = guard(
+            self.h_table, self.h_table[0].nbytes if len(self.h_table) else 0, "block_table"
+        )
+        # (host numpy 2-D, device tensor 2-D, HostGuard or None), as same-size ints
+        self.masks = []
         if dev.attention_mask is not None:
             for layer_type, d in dev.attention_mask.items():
                 h = host.attention_mask[layer_type]
                 it = _INT_OF_SIZE[d.element_size()]
-                h2, d2 = h.view(it)[0, 0], d.view(it)[0, 0]
-                self.masks.append((h2, h2.numpy(), d2))
+                h2 = h.view(it)[0, 0].numpy()
+                g = guard(h2, h2.nbytes, f"attention_mask[{layer_type}]")
+                self.masks.append((h2, d.view(it)[0, 0], g))
         self._views: dict = {}
+
+    def writing(self):
+        """A context in which the host may write its guarded buffers: entering it waits for
+        the in-place copies that read them (``HostGuard.write()`` of each guard)."""
+        gs = self.guards
+        if not gs:
+            return contextlib.nullcontext()
+        return gs[0].write() if len(gs) == 1 else _write_all(gs)
+
+    def fence(self) -> None:
+        """Wait for the in-place copies reading the host buffers (before handing them back)."""
+        for g in self.guards:
+            g.wait()
+
+    def close(self) -> None:
+        """Close the guards (each waits for the copies reading its buffer)."""
+        for g in self.guards:
+            g.close()
 
     def _cached(self, key, make, *args):
         v = self._views.get(key)
@@ -277,9 +335,28 @@ class RoutedIOPair(HostDeviceIOPair):
         route.upload(bufs, carry_over=True)
 
     def reset(self) -> None:
-        """The engine's reset, then the copier's stream ordered after it."""
-        super().reset()
-        _after_reset(self._cucopy_route[0].stream)
+        """The engine's reset (its host half inside the guards' ``write()``), then the
+        copier's stream ordered after it."""
+        route, bufs = self._cucopy_route
+        with bufs.writing():
+            super().reset()
+        _after_reset(route.stream)
+
+
+class RoutedAsyncIOs(ContinuousBatchingAsyncIOs):
+    """The engine's ``ContinuousBatchingAsyncIOs`` whose host writes are fenced (async mode).
+
+    Its ``prepare_batch_tensors`` writes the current pair's ``host_io`` (the pair's own
+    ``prepare_batch_tensors``, then the carry-over row); here it does so inside that
+    pair's guards' ``write()``, which waits for the in-place copies that read them. Set
+    by :meth:`CucopyRoute.install` (``__class__`` reassigned; no fields added), reset by
+    :meth:`CucopyRoute.uninstall`.
+    """
+
+    def prepare_batch_tensors(self, *args, **kwargs) -> None:
+        """The engine's ``prepare_batch_tensors``, fenced by the current pair's guards."""
+        with self.io_pairs[self.current_pair]._cucopy_route[1].writing():
+            super().prepare_batch_tensors(*args, **kwargs)
 
 
 class RoutedIOs(ContinuousBatchingIOs):
@@ -293,17 +370,21 @@ class RoutedIOs(ContinuousBatchingIOs):
         """The engine's ``prepare_batch_tensors`` on the host twin, then one upload."""
         route, bufs = self._cucopy_route
         twin = bufs.host
-        twin.prepare_batch_tensors(*args, **kwargs)
+        with bufs.writing():  # waits for the in-place copies that read the twin
+            twin.prepare_batch_tensors(*args, **kwargs)
         copy_accumulators(twin, self)
         self.requests_in_batch = twin.requests_in_batch
         self.req_id_to_new_token_position = twin.req_id_to_new_token_position
         route.upload(bufs, reset_outputs=True)
 
     def reset(self) -> None:
-        """Reset the device buffers (the engine's own reset) and the host twin."""
+        """Reset the device buffers (the engine's own reset) and the host twin (inside
+        its guards' ``write()``)."""
         super().reset()
-        self._cucopy_route[1].host.reset()
-        _after_reset(self._cucopy_route[0].stream)
+        route, bufs = self._cucopy_route
+        with bufs.writing():
+            bufs.host.reset()
+        _after_reset(route.stream)
 
 
 class CucopyRoute:
@@ -317,26 +398,45 @@ class CucopyRoute:
     copier : DeviceCopier or PlainCopier, optional
         None makes a ``cc.DeviceCopier(PLAN)`` on the engine's stream: ``h2d_stream``
         (async) or the compute stream (sync).
-    raw_min_bytes : int
-        Attention-mask blocks this large or larger are copied raw (below).
+    in_place_min_bytes : int
+        Regions this large or larger are read in place through a ``cc.HostGuard`` (below).
     **copier_options
         Passed to ``cc.DeviceCopier`` (``flush_mode``, ``capacity``, ``slots``).
 
     Notes
     -----
-    Raw copies. A mask block of ``raw_min_bytes`` or more is one plain
-    ``cudaMemcpy(2D)Async`` from the engine's pinned host buffer on the copier's stream
-    (through ``copier.backend.copy2d``, issued at the call), not a snapshot: its source
-    is a buffer the engine itself fences before refilling it (async: the IO pair's
-    ``d2h_over`` is synchronized before its host buffers are prepared again, and it
-    comes after ``h2d_over``; sync: the compute stream is synchronized every step), so
-    the copy may read it late. A source that is not pinned goes through the copier.
-    cucopy never sees raw copies (check mode cannot vouch for them); they write
-    bytes no merged copy writes.
+    Every upload goes through the copier: there are no side copies.
+
+    In-place copies. A region of ``in_place_min_bytes`` or more of a pinned host buffer
+    (the attention mask's ``[:q, :q + kv]``, ~1 MB in prefill; the bulk block
+    ``[:, :q + 1]`` or an index row when that large) is copied
+    ``copier.copy(site, dst, src, guard=g)``: one DMA from the engine's pinned buffer,
+    issued at the call, no snapshot (snapshotting the mask cost more host time than the
+    engine's whole upload). Each such buffer has one ``cc.HostGuard``, made with the
+    route when the copier's backend says the buffer is pinned (else its regions are
+    snapshotted like the rest). Smaller regions are merged into the step's one segment.
+
+    The fence. The host writes a guarded buffer only inside its guards' ``write()``,
+    which waits for exactly the copies that read it: sync mode in
+    :meth:`RoutedIOs.prepare_batch_tensors` and :meth:`RoutedIOs.reset` (the host twin's
+    preparation and reset); async mode in :meth:`RoutedAsyncIOs.prepare_batch_tensors`
+    (the pair's ``host_io`` preparation and its carry-over row) and
+    :meth:`RoutedIOPair.reset`; :meth:`uninstall` waits for them before the engine gets
+    its buffers back. The engine fences these buffers itself too (async: the pair's
+    ``d2h_over``, after its ``h2d_over``, is synchronized before its host buffers are
+    prepared again; sync: the compute stream is synchronized every step), so ``write()``
+    normally finds the copies done; it is there so that cucopy proves the fence: in check
+    mode a host write of a guarded region a copy read, made outside ``write()``, raises
+    ``CopyError`` naming the site at the next ``write()``, copy through the guard or flush.
     """
 
     def __init__(
-        self, processor, copier=None, *, raw_min_bytes: int = RAW_MIN_BYTES, **copier_options
+        self,
+        processor,
+        copier=None,
+        *,
+        in_place_min_bytes: int = IN_PLACE_MIN_BYTES,
+        **copier_options,
     ):
         io = processor.inputs_and_outputs
         self.processor = processor
@@ -353,12 +453,16 @@ class CucopyRoute:
                 PLAN, stream=self.stream, device=self.stream.device.index, **copier_options
             )
         self.copier = copier
-        self.raw_min_bytes = int(raw_min_bytes)
-        self.raw = Counter()  # raw copies by site
-        #: per upload: ns in begin(), staging (raw mask copies aside), raw mask copies, flush()
+        self.in_place_min_bytes = int(in_place_min_bytes)
+        self.in_place = Counter()  # in-place (guarded) copies by site
+        #: per upload: ns in begin(), staging (in-place copies aside), in-place copies, flush()
         self.phases: list = []
+        self._io = io
+        opts = {"is_pinned": copier.backend.is_pinned, "min_bytes": self.in_place_min_bytes}
         if self.is_async:
-            self._targets = [(pair, _Buffers(pair.host_io, pair.device_io)) for pair in io.io_pairs]
+            self._targets = [
+                (pair, _Buffers(pair.host_io, pair.device_io, **opts)) for pair in io.io_pairs
+            ]
         else:
             twin = ContinuousBatchingIOs(
                 cache=processor.cache,
@@ -380,10 +484,13 @@ class CucopyRoute:
                     for k, v in io.attention_mask.items()
                 }
                 twin._reset_static_tensors(full_reset=True)
-            self._targets = [(io, _Buffers(twin, io))]
-        pinned = copier.backend.is_pinned
-        self._raw_ok = all(pinned(h.data_ptr()) for _, b in self._targets for h, _, _ in b.masks)
+            self._targets = [(io, _Buffers(twin, io, **opts))]
         self.installed = False
+
+    @property
+    def guards(self) -> list:
+        """Every ``cc.HostGuard`` of the route (one per host buffer read in place)."""
+        return [g for _, bufs in self._targets for g in bufs.guards]
 
     @property
     def host_twin(self):
@@ -398,6 +505,8 @@ class CucopyRoute:
         for obj, bufs in self._targets:
             obj._cucopy_route = (self, bufs)
             obj.__class__ = routed
+        if self.is_async:
+            self._io.__class__ = RoutedAsyncIOs
         self.installed = True
 
     def uninstall(self) -> None:
@@ -408,7 +517,11 @@ class CucopyRoute:
         for obj, _ in self._targets:
             obj.__class__ = plain
             del obj._cucopy_route
+        if self.is_async:
+            self._io.__class__ = ContinuousBatchingAsyncIOs
         self.installed = False
+        for _, bufs in self._targets:  # the engine writes them unfenced from here on
+            bufs.fence()
 
     def __enter__(self) -> CucopyRoute:
         self.install()
@@ -418,8 +531,10 @@ class CucopyRoute:
         self.uninstall()
 
     def close(self) -> None:
-        """Uninstall and close the copier."""
+        """Uninstall, close the guards and the copier."""
         self.uninstall()
+        for _, bufs in self._targets:
+            bufs.close()
         self.copier.close()
 
     # -- one step ----------------------------------------------------------------------------
@@ -442,7 +557,7 @@ class CucopyRoute:
             Also zero ``output_ids[:, :b]`` on the device (sync: the engine's step does).
 
         Each upload appends its phases to :attr:`phases` (ns in ``begin()``, in staging
-        less the raw mask copies, in those copies, in ``flush()``).
+        less the in-place copies, in those copies, in ``flush()``).
         """
         c = self.copier
         clock = time.perf_counter_ns
@@ -451,7 +566,7 @@ class CucopyRoute:
         step.__enter__()  # begin(): as ``with c.step():``, timed phase by phase
         t1 = clock()
         try:
-            mask_ns = self._stage(bufs, carry_over, reset_outputs)
+            in_place_ns = self._stage(bufs, carry_over, reset_outputs)
         except BaseException:
             if not step.__exit__(*sys.exc_info()):
                 raise
@@ -459,72 +574,61 @@ class CucopyRoute:
         t2 = clock()
         step.__exit__(None, None, None)  # flush()
         t3 = clock()
-        self.phases.append((t1 - t0, t2 - t1 - mask_ns, mask_ns, t3 - t2))
+        self.phases.append((t1 - t0, t2 - t1 - in_place_ns, in_place_ns, t3 - t2))
 
     def _stage(self, bufs: _Buffers, carry_over: bool, reset_outputs: bool) -> int:
-        """Stage one step's regions (see :meth:`upload`); returns the ns the raw mask
+        """Stage one step's regions (see :meth:`upload`); returns the ns the in-place
         copies took."""
         h = bufs.host
         q, kv = h.num_q_tokens, h.max_kv_read
         b = min(q, h.max_requests_per_batch)
         c = self.copier
-        c.copy(Site.BULK, bufs.bulk(q + 1), bufs.h_bulk[:, : q + 1])
+        put = self._put
+        ns = put(Site.BULK, bufs.bulk(q + 1), bufs.h_bulk[:, : q + 1], bufs.g_bulk)
         if carry_over and q + 1 < bufs.tokens:
-            c.copy(Site.CARRY_OVER, bufs.carry_tail(q + 1), bufs.h_bulk[6, q + 1 : bufs.tokens])
+            src = bufs.h_bulk[6, q + 1 : bufs.tokens]
+            ns += put(Site.CARRY_OVER, bufs.carry_tail(q + 1), src, bufs.g_bulk)
         if reset_outputs:
             for r, row in enumerate(bufs.d_out):
                 c.fill_tail(Site.OUTPUT_RESET, bufs.head(("out", r), row, b), 0, 0)
         if h.use_block_table:
             for g, table in enumerate(bufs.d_table):
-                c.copy(Site.BLOCK_TABLE, bufs.head(("table", g), table, b), bufs.h_table[g, :b])
+                dst = bufs.head(("table", g), table, b)
+                ns += put(Site.BLOCK_TABLE, dst, bufs.h_table[g, :b], bufs.g_table)
         else:
             for g, (dw, dr) in enumerate(zip(bufs.d_write, bufs.d_read)):
                 nw, nr = h.true_write_sizes[g], h.true_read_sizes[g]
                 if nw:
-                    c.copy(Site.WRITE_INDEX, bufs.head(("w", g), dw, nw), bufs.h_write[g, :nw])
+                    dst = bufs.head(("w", g), dw, nw)
+                    ns += put(Site.WRITE_INDEX, dst, bufs.h_write[g, :nw], bufs.g_write)
                 c.fill_tail(Site.WRITE_PAD, bufs.head(("w", g), dw, q), nw, bufs.write_trash)
                 if nr:
-                    c.copy(Site.READ_INDEX, bufs.head(("r", g), dr, nr), bufs.h_read[g, :nr])
+                    dst = bufs.head(("r", g), dr, nr)
+                    ns += put(Site.READ_INDEX, dst, bufs.h_read[g, :nr], bufs.g_read)
                 c.fill_tail(Site.READ_PAD, bufs.head(("r", g), dr, q + kv), nr, bufs.read_trash)
-        mask_ns = 0
-        for h_mask, h_np, d_mask in bufs.masks:
-            mask_ns += self._mask(h_mask, h_np, d_mask, q, q + kv)
-        return mask_ns
+        rows, cols = q, q + kv
+        if rows and cols:
+            for h_mask, d_mask, guard in bufs.masks:
+                ns += put(Site.MASK, d_mask[:rows, :cols], h_mask[:rows, :cols], guard)
+        return ns
 
-    def _mask(self, h_mask, h_np, d_mask, rows: int, cols: int) -> int:
-        """Mask ``[:rows, :cols]``: raw when large and pinned (see Notes), else merged.
-        Returns the ns a raw copy took (0 when merged)."""
-        if rows == 0 or cols == 0:
+    def _put(self, site, dst, src, guard) -> int:
+        """Copy host region ``src`` to ``dst``: in place through ``guard`` when it is at
+        least ``in_place_min_bytes`` (see Notes), else merged. Returns the ns an in-place
+        copy took (0 when merged)."""
+        n = src.nbytes
+        if guard is None or n < self.in_place_min_bytes or not n:
+            self.copier.copy(site, dst, src)
             return 0
         t0 = time.perf_counter_ns()
-        it = d_mask.element_size()
-        width = d_mask.shape[1]
-        if self._raw_ok and rows * cols * it >= self.raw_min_bytes:
-            c = self.copier
-            if cols == width:  # whole rows: one contiguous block
-                n = rows * width * it
-                c.backend.copy2d(True, d_mask.data_ptr(), n, h_mask.data_ptr(), n, n, 1, c.stream)
-            else:
-                pitch = width * it
-                c.backend.copy2d(
-                    True,
-                    d_mask.data_ptr(),
-                    pitch,
-                    h_mask.data_ptr(),
-                    pitch,
-                    cols * it,
-                    rows,
-                    c.stream,
-                )
-            self.raw[Site.MASK] += 1
-            return time.perf_counter_ns() - t0
-        self.copier.copy(Site.MASK, d_mask[:rows, :cols], h_np[:rows, :cols])
-        return 0
+        self.copier.copy(site, dst, src, guard=guard)
+        self.in_place[site] += 1
+        return time.perf_counter_ns() - t0
 
     def stats_text(self) -> str:
-        """``copier.stats`` and the raw copies, for printing."""
-        raw = ", ".join(f"{s.label} {n}" for s, n in self.raw.items()) or "none"
-        return f"{self.copier.stats}\nraw copies (not through cucopy): {raw}"
+        """``copier.stats`` and the in-place copies, for printing."""
+        n = ", ".join(f"{s.label} {k}" for s, k in self.in_place.items()) or "none"
+        return f"{self.copier.stats}\nin-place copies (guarded, no snapshot): {n}"
 
 
 # -- a stand-in copier for machines without a GPU ------------------------------------------------
@@ -535,30 +639,28 @@ class _HostBackend:
 
     @staticmethod
     def is_pinned(ptr: int) -> bool:
-        return True  # host memory: the raw path is taken, and tested
-
-    @staticmethod
-    def copy2d(h2d, dst, dpitch, src, spitch, width, rows, stream) -> None:
-        for r in range(rows):
-            ctypes.memmove(dst + r * dpitch, src + r * spitch, width)
+        return True  # host memory: the guards are made and the in-place path is taken
 
 
 class PlainCopier:
     """Stands in for a ``DeviceCopier``: each call issued at once as a plain torch op.
 
     Where the engine runs on the CPU (``--cpu``, the tests) it checks the seam and the
-    site map, not cucopy: nothing is merged or snapshotted, and :attr:`calls` records
-    ``(site, dst)``. On CUDA (``stream`` given, ``backend`` a cucopy backend for the raw
-    mask copies) it is the ``twin_plain`` variant: the routed sync step's host twin,
-    uploaded region by region with ``copy_(non_blocking=True)`` and ``fill_`` on the
-    engine's stream, so the twin's share of a gain is told apart from cucopy's.
+    site map, not cucopy: nothing is merged or snapshotted, :attr:`calls` records
+    ``(site, dst)`` and :attr:`guarded` counts by site the copies given a ``guard=`` (a
+    plain copy all the same: the guard is not used). On CUDA (``stream`` given,
+    ``backend`` the route's copier's, for ``is_pinned``) it is the ``twin_plain``
+    variant: the routed sync step's host twin, uploaded region by region with
+    ``copy_(non_blocking=True)`` and ``fill_`` on the engine's stream, so the twin's share
+    of a gain is told apart from cucopy's.
 
     Parameters
     ----------
     stream : torch.cuda.Stream, optional
         Where the ops go (None: the engine runs on the CPU).
     backend : optional
-        What the route's raw copies use (``copy2d``, ``is_pinned``); None: host memory.
+        What the route asks ``is_pinned`` of (to make its guards); None: host memory,
+        taken as pinned.
     record : bool
         Keep every call in :attr:`calls`.
     """
@@ -572,6 +674,7 @@ class PlainCopier:
         self.record = record
         self.calls: list = []
         self.steps = 0
+        self.guarded: Counter = Counter()
         self._counts: Counter = Counter()
 
     @contextlib.contextmanager
@@ -584,9 +687,11 @@ class PlainCopier:
             with torch.cuda.stream(self._torch_stream):
                 yield
 
-    def copy(self, site, dst, src, **_) -> bool:
-        """``dst[...] = src``, issued now."""
+    def copy(self, site, dst, src, *, guard=None, **_) -> bool:
+        """``dst[...] = src``, issued now (``guard`` only counted)."""
         self._counts[site] += 1
+        if guard is not None:
+            self.guarded[site] += 1
         if self.record:
             self.calls.append((site, dst))
         dst.copy_(torch.from_numpy(src).reshape(dst.shape), non_blocking=True)

@@ -202,13 +202,13 @@ def test_copy_accumulators_is_the_scalar_half_of_the_engines_transfer(ex, engine
 # -- sync mode: generate_batch itself, on the CPU ----------------------------------------------------
 
 
-@pytest.mark.parametrize("raw_min_bytes", [0, 1 << 40], ids=["mask_raw", "mask_merged"])
-def test_sync_routed_run_writes_what_the_engine_prepares(ex, engine, raw_min_bytes):
+@pytest.mark.parametrize("in_place_min_bytes", [0, 1 << 40], ids=["in_place", "merged"])
+def test_sync_routed_run_writes_what_the_engine_prepares(ex, engine, in_place_min_bytes):
     from transformers.generation.continuous_batching.input_outputs import ContinuousBatchingIOs
 
     io = engine.processor.inputs_and_outputs
     copier = ex.PlainCopier()
-    route = ex.CucopyRoute(engine.processor, copier, raw_min_bytes=raw_min_bytes)
+    route = ex.CucopyRoute(engine.processor, copier, in_place_min_bytes=in_place_min_bytes)
     tokens, differences = routed_run(engine, route)
 
     assert tokens == engine.reference
@@ -228,12 +228,18 @@ def test_sync_routed_run_writes_what_the_engine_prepares(ex, engine, raw_min_byt
         bases = list(base.values()) if isinstance(base, dict) else [base]
         assert any(within(dst, b) for b in bases), (site, dst.shape)
     sync_sites = set(ex.Site) - {ex.Site.CARRY_OVER, ex.Site.BLOCK_TABLE}
-    if raw_min_bytes == 0:
-        assert route.raw[ex.Site.MASK] == len(differences)  # every mask block went raw
-        sync_sites.discard(ex.Site.MASK)
+    assert seen == sync_sites  # every upload went to the copier: no side copies
+    steps = len(differences)
+    if in_place_min_bytes == 0:
+        # every mask block (and bulk block) went in place, each through its buffer's guard
+        assert route.in_place[ex.Site.MASK] == copier.guarded[ex.Site.MASK] == steps
+        assert route.in_place[ex.Site.BULK] == copier.guarded[ex.Site.BULK] == steps
+        assert {g.label for g in route.guards} >= {
+            "host bulk",
+            "host attention_mask[full_attention]",
+        }
     else:
-        assert not route.raw
-    assert seen == sync_sites
+        assert not route.in_place and not copier.guarded and not route.guards
 
 
 @pytest.mark.parametrize(
@@ -244,7 +250,8 @@ def test_sync_routed_run_writes_what_the_engine_prepares(ex, engine, raw_min_byt
         ("OUTPUT_RESET", "output_ids"),
     ],
 )
-def test_sync_seam_broken_is_caught(ex, engine, site, buffer):
+@pytest.mark.parametrize("min_bytes", [0, 1 << 40], ids=["in_place", "merged"])
+def test_sync_seam_broken_is_caught(ex, engine, site, buffer, min_bytes):
     dropped = ex.Site[site]
 
     class Drops(ex.PlainCopier):
@@ -254,7 +261,7 @@ def test_sync_seam_broken_is_caught(ex, engine, site, buffer):
         def fill_tail(self, site, dst, start, value, **kw):
             return False if site is dropped else super().fill_tail(site, dst, start, value, **kw)
 
-    route = ex.CucopyRoute(engine.processor, Drops(), raw_min_bytes=1 << 40)
+    route = ex.CucopyRoute(engine.processor, Drops(), in_place_min_bytes=min_bytes)
     _, differences = routed_run(engine, route)
     assert any(buffer in d for d in differences), differences
 
@@ -262,11 +269,11 @@ def test_sync_seam_broken_is_caught(ex, engine, site, buffer):
 def test_null_copier_routes_every_site_and_writes_nothing(ex, ab, engine):
     # --bound's no_upload variant: the route runs, every site is asked, nothing lands
     null = ab.NullCopier()
-    route = ex.CucopyRoute(engine.processor, null, raw_min_bytes=ab.NO_RAW)
+    route = ex.CucopyRoute(engine.processor, null, in_place_min_bytes=ab.NO_IN_PLACE)
     _, differences = routed_run(engine, route)
     assert null.steps == len(differences) > 3
     assert set(null._counts) == set(ex.Site) - {ex.Site.CARRY_OVER, ex.Site.BLOCK_TABLE}
-    assert not route.raw and not null.calls
+    assert not route.in_place and not route.guards and not null.calls
     assert any(differences)  # the device kept stale inputs
 
 
@@ -338,11 +345,36 @@ def differences(a, b, where="kwargs") -> list:
     return [] if a == b else [where]
 
 
-def async_steps(ex, engine, copier, num, query, past, steps=3, fast_path=False) -> list:
+def async_steps(
+    ex, engine, copier, num, query, past, steps=3, fast_path=False, min_bytes=1 << 10, poke=None
+) -> list:
     """Drive the engine's async IO pairs for ``steps`` steps through a route; per step,
     where what the model is given differs from what the host prepared. ``fast_path``:
-    the decode fast path (block table; needs IO pairs made with max_blocks_per_request)."""
+    the decode fast path (block table; needs IO pairs made with max_blocks_per_request).
+    ``min_bytes``: the route's ``in_place_min_bytes``. ``poke(step, io)``: called after
+    each step's upload."""
     from transformers.generation.continuous_batching.requests import RequestStatus
+
+    io = async_ios(engine)
+    route = ex.CucopyRoute(
+        SimpleNamespace(inputs_and_outputs=io), copier, in_place_min_bytes=min_bytes
+    )
+    assert route.is_async and route.stream is io.h2d_stream
+    status = RequestStatus.DECODING if query == 1 else RequestStatus.PREFILLING
+    out = []
+    with route:  # as the engine runs: its host writes inside the guards' write()
+        for k in range(steps):  # both pairs, then the first again (carry-over across pairs)
+            out.append(async_step(engine, io, num, query, past, status, fast_path))
+            if poke is not None:
+                poke(k, io)
+            io.swap_io_pairs()
+    assert type(io).__name__ == "ContinuousBatchingAsyncIOs"
+    assert all(type(pair).__name__ == "HostDeviceIOPair" for pair in io.io_pairs)
+    return out
+
+
+def async_step(engine, io, num, query, past, status, fast_path) -> list:
+    """One async step (prepare, then the engine's get_model_kwargs, which uploads)."""
     from transformers.generation.continuous_batching.utils import (
         create_warmup_future_states,
         pad_to_interval,
@@ -351,48 +383,34 @@ def async_steps(ex, engine, copier, num, query, past, steps=3, fast_path=False) 
 
     p = engine.processor
     cache = p.cache
-    io = async_ios(engine)
-    route = ex.CucopyRoute(SimpleNamespace(inputs_and_outputs=io), copier, raw_min_bytes=1 << 10)
-    assert route.is_async and route.stream is io.h2d_stream
-    status = RequestStatus.DECODING if query == 1 else RequestStatus.PREFILLING
-    out = []
-    for _ in range(steps):  # both pairs, then the first again (carry-over across pairs)
-        states = create_warmup_future_states(num, status, query, past, cache)
-        assert len(states) == num
-        try:
-            if fast_path:  # as ModelRunner.maybe_pad_inputs pads the decode fast path
-                q, kv = pad_to_pow2(num, p.cb_config.max_requests_per_batch), 0
-            else:
-                q = pad_to_interval(
-                    num * query, p.cb_config.q_padding_interval_size, cache.max_batch_tokens
-                )
-                kv = pad_to_interval(
-                    num * past, p.cb_config.kv_padding_interval_size, cache.num_pages
-                )
-            pair = io.io_pairs[io.current_pair]
-            poison(pair.device_io)
-            io.prepare_batch_tensors(states, p.logit_processor, fast_path, q, kv, use_padding=True)
-            assert pair.host_io.use_block_table == fast_path
-            with route:
-                got = io.get_model_kwargs(use_padding=True)  # the engine calls transfer_inputs_h2d
-            want = pair.host_io.get_model_kwargs(use_padding=True)
-            diff = differences(dict(got), dict(want))
-            if fast_path:  # the engine uploads no KV indices then either: the block table is read
-                diff = [
-                    d
-                    for d in diff
-                    if not d.startswith(("kwargs[write_index]", "kwargs[read_index]"))
-                ]
-            # the graph indexes the whole carry-over row
-            if not torch.equal(pair.device_io.carry_over_ids, pair.host_io.carry_over_ids):
-                diff.append("carry_over_ids")
-            out.append(diff)
-            io.swap_io_pairs()
-        finally:
-            for s in states:
-                cache.free_blocks(s.state.request_id)
-    assert all(type(pair).__name__ == "HostDeviceIOPair" for pair in io.io_pairs)
-    return out
+    states = create_warmup_future_states(num, status, query, past, cache)
+    assert len(states) == num
+    try:
+        if fast_path:  # as ModelRunner.maybe_pad_inputs pads the decode fast path
+            q, kv = pad_to_pow2(num, p.cb_config.max_requests_per_batch), 0
+        else:
+            q = pad_to_interval(
+                num * query, p.cb_config.q_padding_interval_size, cache.max_batch_tokens
+            )
+            kv = pad_to_interval(num * past, p.cb_config.kv_padding_interval_size, cache.num_pages)
+        pair = io.io_pairs[io.current_pair]
+        poison(pair.device_io)
+        io.prepare_batch_tensors(states, p.logit_processor, fast_path, q, kv, use_padding=True)
+        assert pair.host_io.use_block_table == fast_path
+        got = io.get_model_kwargs(use_padding=True)  # the engine calls transfer_inputs_h2d
+        want = pair.host_io.get_model_kwargs(use_padding=True)
+        diff = differences(dict(got), dict(want))
+        if fast_path:  # the engine uploads no KV indices then either: the block table is read
+            diff = [
+                d for d in diff if not d.startswith(("kwargs[write_index]", "kwargs[read_index]"))
+            ]
+        # the graph indexes the whole carry-over row
+        if not torch.equal(pair.device_io.carry_over_ids, pair.host_io.carry_over_ids):
+            diff.append("carry_over_ids")
+        return diff
+    finally:
+        for s in states:
+            cache.free_blocks(s.state.request_id)
 
 
 @pytest.mark.parametrize(
@@ -517,7 +535,7 @@ def test_harness_on_the_cpu(tmp_path):
     assert "bound (no upload at all" in proc.stdout, report
     # the routed uploads' phases, one sample per timed routed upload
     phases = res["routed_phases_us"]
-    assert set(phases) == {"begin", "staging", "mask_raw_copy", "flush"}
+    assert set(phases) == {"begin", "staging", "in_place_copies", "flush"}
     uploads = sum(len(r["upload_us"]) for r in res["runs"] if r["variant"] == "routed")
     assert all(len(p["samples"]) == uploads for p in phases.values())
     assert phases["staging"]["median"] > 0
