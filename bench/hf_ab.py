@@ -17,8 +17,10 @@ ratio in that run. Every other run is checked token for token against the first;
 one routed run in cucopy's check mode.
 
 It prints per-step host time (the median interval between generation steps, and the
-time in the upload method), wall time per run, ``copier.stats``, and ``match:`` (or
-``MISMATCH:`` lines and exit status 1). ``--json PATH`` writes the environment, the
+time in the upload method), wall time per run, the routed/unmodified ratios of the step
+and of the upload method's own time (each beside its target), the routed upload by phase
+(``begin()``, staging, the in-place copies through the route's ``HostGuard``s,
+``flush()``), ``copier.stats``, and ``match:`` (or ``MISMATCH:`` lines and exit status 1). ``--json PATH`` writes the environment, the
 configuration, every raw timing and the stats. ``bench/gpu_session.sh`` runs it in both
 modes (steps ``hf_async``, ``hf_sync``). What it measures and does not: the engine's
 step time as its host sees it (no CUDA events), on a tiny model whose forward pass is

@@ -10,6 +10,7 @@ is driven directly (its engine object needs CUDA streams to be built).
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import inspect
 import json
@@ -318,6 +319,16 @@ def async_ios(engine):
     io.current_pair = 0
     io.h2d_stream, io.d2h_stream, io.compute_stream = FakeStream(), FakeStream(), FakeStream()
     io.max_batch_tokens = p.cache.max_batch_tokens
+    # sdpa masks, as in a run (outside one the model's config no longer asks for them)
+    for pair in io.io_pairs:
+        for side in (pair.host_io, pair.device_io):
+            if side.attention_mask is None:
+                tokens = side.write_index_storage.shape[1]
+                shape = (1, 1, tokens, side.read_index_storage.shape[1])
+                side.attention_mask = {
+                    k: torch.empty(shape, dtype=p.model_dtype) for k in side.cumulative_seqlens_k
+                }
+                side._reset_static_tensors(full_reset=True)
     return io
 
 
@@ -420,7 +431,9 @@ def test_async_pair_upload_gives_the_model_what_the_host_prepared(ex, engine, nu
     copier = ex.PlainCopier()
     assert async_steps(ex, engine, copier, num, query, past) == [[]] * 3
     assert copier.steps == 3
-    assert {s for s, _ in copier.calls} >= {ex.Site.BULK, ex.Site.CARRY_OVER, ex.Site.WRITE_PAD}
+    sites = {ex.Site.BULK, ex.Site.CARRY_OVER, ex.Site.WRITE_PAD, ex.Site.MASK}
+    assert {s for s, _ in copier.calls} >= sites
+    assert copier.guarded[ex.Site.MASK] == 3  # the mask went in place (1 KiB and more)
 
 
 def test_async_decode_fast_path_uploads_the_block_table(ex, engine, monkeypatch):
@@ -440,7 +453,7 @@ def test_async_decode_fast_path_uploads_the_block_table(ex, engine, monkeypatch)
 
 
 @pytest.mark.parametrize(
-    "site", ["BULK", "CARRY_OVER", "WRITE_INDEX", "WRITE_PAD", "READ_INDEX", "READ_PAD"]
+    "site", ["BULK", "CARRY_OVER", "WRITE_INDEX", "WRITE_PAD", "READ_INDEX", "READ_PAD", "MASK"]
 )
 def test_async_seam_broken_is_caught(ex, engine, site):
     dropped = ex.Site[site]
@@ -540,5 +553,90 @@ def test_harness_on_the_cpu(tmp_path):
     assert all(len(p["samples"]) == uploads for p in phases.values())
     assert phases["staging"]["median"] > 0
     assert "routed upload by phase" in proc.stdout, report
+    assert "in place copies" in proc.stdout, report
+    # the upload method's own ratio, per round, beside its target
+    assert res["upload_target_ratio"] == 0.95 and res["upload_target_met"] is None
+    assert len(res["upload_ratio_per_round"]["routed"]) == 1 and res["upload_ratio"] > 0
+    assert "routed/unmodified prepare_batch_tensors time" in proc.stdout, report
+    assert res["config"]["in_place_min_bytes"] == 64 << 10
+    assert "in_place_copies" in res
     assert data["environment"]["transformers"] == "5.17.0"
     assert ceil(res["step_ratio"] * 1000) > 0
+
+
+# -- the guards' fence, checked by a real (simulated) cucopy copier ----------------------------------
+
+
+class TeeCopier:
+    """The example's ``PlainCopier`` for the engine, and each guarded copy also issued
+    through a real cucopy copier on a simulated device (into scratch destinations), with
+    the route's own ``HostGuard``: what check mode sees of the route's fence."""
+
+    def __new__(cls, ex):
+        from cucopy.backends.sim import SimDevice
+
+        class Tee(ex.PlainCopier):
+            def __init__(self):
+                super().__init__()
+                self.dev = SimDevice()
+                self.sim = ex.cc.DeviceCopier(ex.PLAN, stream=self.dev.stream(), device=self.dev)
+                self._scratch: dict = {}
+                self._pinned: set = set()
+
+            @contextlib.contextmanager
+            def step(self):
+                with super().step(), self.sim.step():
+                    yield
+
+            def copy(self, site, dst, src, *, guard=None, **kw):
+                super().copy(site, dst, src, guard=guard, **kw)
+                if guard is not None:
+                    if id(guard) not in self._pinned:  # the engine's host buffer, pinned
+                        self.dev._register_pinned(guard.buffer)
+                        self._pinned.add(id(guard))
+                    key = (src.shape, src.dtype.str)
+                    if key not in self._scratch:
+                        self._scratch[key] = self.dev.empty(src.shape, src.dtype)
+                    self.sim.copy(site, self._scratch[key], src, guard=guard)
+                return True
+
+            def close(self):
+                self.sim.close()
+
+        return Tee()
+
+
+def test_sync_routed_run_fences_every_host_write_in_check_mode(ex, engine, monkeypatch):
+    from cucopy import check
+
+    monkeypatch.setattr(check, "CHECK_MODE", True)
+    tee = TeeCopier(ex)
+    route = ex.CucopyRoute(engine.processor, tee, in_place_min_bytes=0)
+    try:
+        tokens, diffs = routed_run(engine, route)  # a write outside write() fails a request
+    finally:
+        route.close()
+    assert tokens == engine.reference
+    assert diffs == [[]] * len(diffs) and len(diffs) > 3
+    sites = tee.sim.stats.sites
+    assert sites[ex.Site.MASK].fallback["in_place"] == len(diffs)
+    assert sites[ex.Site.BULK].fallback["in_place"] == len(diffs)
+
+
+def test_async_host_write_outside_the_guard_is_caught_in_check_mode(ex, engine, monkeypatch):
+    from cucopy import check
+
+    monkeypatch.setattr(check, "CHECK_MODE", True)
+    tee = TeeCopier(ex)
+    # the engine's own writes all go through the guards: clean, and every mask in place
+    assert async_steps(ex, engine, tee, 3, 5, 0, min_bytes=0) == [[]] * 3
+    assert tee.sim.stats.sites[ex.Site.MASK].fallback["in_place"] == 3
+
+    def poke(step, io):
+        if step == 0:  # the mask a copy just read, written without write()
+            mask = io.io_pairs[io.current_pair].host_io.attention_mask["full_attention"]
+            mask[0, 0, 0, 0] = 7.0
+
+    tee = TeeCopier(ex)
+    with pytest.raises(ex.cc.CopyError, match=r"MASK.*host attention_mask.*without HostGuard"):
+        async_steps(ex, engine, tee, 3, 5, 0, min_bytes=0, poke=poke)
