@@ -24,16 +24,17 @@ decoding. Both of its upload paths are routed:
   host twin (a CPU ``ContinuousBatchingIOs``, what async mode's ``host_io`` is), then this
   step's regions go up as one cucopy segment on the engine's compute stream.
 
-The seam is :class:`CucopyRoute`: it retypes the engine's own IO objects to two
-subclasses that override only the upload method (:class:`RoutedIOPair`,
-:class:`RoutedIOs`), and back. Nothing of torch or transformers is patched; every
-other reference the engine holds sees the same objects.
+The seam is :class:`CucopyRoute`: it retypes the engine's own IO objects to
+subclasses that override only the upload method and the host writes they fence
+(:class:`RoutedIOPair` and :class:`RoutedAsyncIOs` in async mode, :class:`RoutedIOs` in
+sync mode), and back. Nothing of torch or transformers is patched; every other reference
+the engine holds sees the same objects.
 
 What goes up is what the step's ``prepare_batch_tensors`` rewrote on the host (its reset
 ranges, which hold everything it writes), one named :class:`Site` per buffer, every byte
 through the copier (no side copies): padded tails of the KV index buffers are
 ``fill_tail`` fills; a region of :data:`IN_PLACE_MIN_BYTES` or more (the attention mask,
-in prefill a wide bulk block) is read in place from the engine's pinned buffer through a
+or a bulk block that large) is read in place from the engine's pinned buffer through a
 ``cc.HostGuard`` instead of snapshotted, and the engine's host writes of those buffers
 are fenced by the guards' ``write()`` (see :class:`CucopyRoute`); the rest is merged.
 
@@ -285,6 +286,11 @@ class _Buffers:
     def head(self, name, tensor, n: int):
         """``tensor[:n]`` (``name`` tells the tensors apart)."""
         return self._cached((name, n), tensor.__getitem__, slice(0, n))
+
+    def block(self, name, tensor, rows: int, cols: int):
+        """``tensor[:rows, :cols]`` (``name`` tells the tensors apart)."""
+        key = (name, rows, cols)
+        return self._cached(key, tensor.__getitem__, (slice(0, rows), slice(0, cols)))
 
     def bulk(self, n: int):
         """The device bulk tensor's first ``n`` columns, every row."""
@@ -608,8 +614,9 @@ class CucopyRoute:
                 c.fill_tail(Site.READ_PAD, bufs.head(("r", g), dr, q + kv), nr, bufs.read_trash)
         rows, cols = q, q + kv
         if rows and cols:
-            for h_mask, d_mask, guard in bufs.masks:
-                ns += put(Site.MASK, d_mask[:rows, :cols], h_mask[:rows, :cols], guard)
+            for i, (h_mask, d_mask, guard) in enumerate(bufs.masks):
+                dst = bufs.block(("mask", i), d_mask, rows, cols)
+                ns += put(Site.MASK, dst, h_mask[:rows, :cols], guard)
         return ns
 
     def _put(self, site, dst, src, guard) -> int:
