@@ -31,7 +31,7 @@
 
 #include <stddef.h>
 
-#define LAUNCHER_ABI 4
+#define LAUNCHER_ABI 5
 
 typedef struct {
     int (*carried)(void *drv, unsigned long long nblocks, unsigned long long stream,
@@ -50,6 +50,12 @@ typedef struct {
     /* capturing() is cuStreamIsCapturing: the CUresult, *status the capture status;
      * OTHER_CONTEXT (-2) and nothing called when another context is current */
     int (*capturing)(void *drv, unsigned long long stream, int *status);
+    /* graphed_tag() is graphed() whose kernel, once its reads of the segment are done,
+     * copies the u64 at cell (the device address of the slot's completion tag,
+     * pack.TAG_AT) to cell + 8 (cucopy_scatter_w8k): a slot whose last reader it is
+     * needs no event after it. NULL where graphed is. */
+    int (*graphed_tag)(void *drv, unsigned long long stream, unsigned long long seg,
+                       unsigned long long cell);
 } CarriedLauncher;
 
 #define LAUNCHER_NAME "cucopy.carried_launcher"

@@ -166,11 +166,13 @@ class GraphFake(FakeDriver):
     def add(self, out, graph, deps, ndeps, params):
         p = _NodeParams.from_address(params)
         arg = ctypes.cast(p.params[0], ctypes.POINTER(ctypes.c_uint64))[0]
+        cell = ctypes.cast(p.params[1], ctypes.POINTER(ctypes.c_uint64))[0]
         self.nodes[graph] = {
             "f": p.func,
             "grid": tuple(p.grid),
             "block": tuple(p.block),
             "seg": arg,
+            "cell": cell,  # the completion tag's device address (0: none)
             "extra": p.extra,
         }
         out[0] = self._handle()
@@ -599,6 +601,7 @@ class _Launcher(ctypes.Structure):
         ("graphed", ctypes.c_void_p),
         ("graph_cap", ctypes.c_size_t),
         ("capturing", ctypes.c_void_p),
+        ("graphed_tag", ctypes.c_void_p),
     ]
 
 
@@ -785,6 +788,30 @@ def test_the_launcher_offers_graphed_launches_once_graphs_are_set():
     )(s.graphed)
     assert graphed(s.drv, 0x5, 0x4000) == 0
     assert [(n["seg"], st) for n, st in fake.graph_launches] == [(0x4000, 0x5)]
+    assert s.graphed_tag
+    graphed_tag = ctypes.PYFUNCTYPE(
+        ctypes.c_int, ctypes.c_void_p, ctypes.c_ulonglong, ctypes.c_ulonglong, ctypes.c_ulonglong
+    )(s.graphed_tag)
+    assert graphed_tag(s.drv, 0x5, 0x4000, 0x4000 + pack.TAG_AT) == 0
+    node, _ = fake.graph_launches[-1]
+    assert (node["seg"], node["cell"]) == (0x4000, 0x4000 + pack.TAG_AT)
+    assert fake.graph_launches[0][0]["cell"] == 0  # the untagged graph: no tag
+
+
+@needs_ext
+def test_a_graph_is_made_once_per_segment_address_and_tag():
+    # the tag's address is the kernel's second argument, fixed in the graph: a tagged
+    # and an untagged launch of one segment are two graphs, each launched as made
+    fake = GraphFake()
+    d = _graph_driver(fake)
+    calls = [(0x1000, 0), (0x1000, 0x0FC0), (0x1000, 0x0FC0), (0x1000, 0), (0x9000, 0x8FC0)]
+    for seg, cell in calls:
+        assert (d.graphed(0x77, seg, cell) if cell else d.graphed(0x77, seg)) == 0
+    assert d.graph_count == 3
+    assert [(n["seg"], n["cell"]) for n, _ in fake.graph_launches] == calls
+    assert d.graphed(0x77, 0x1000, 0) == 0 and d.graph_count == 3  # cell 0: untagged
+    with pytest.raises(TypeError, match=r"graphed\(stream, seg\[, cell\]\)"):
+        d.graphed(0x77)
 
 
 def _two_copy_steps(env, c, site, steps: int) -> None:
@@ -944,10 +971,11 @@ def _landing_copier(
         def graph_launch(self, exec_, stream):
             rc = super().graph_launch(exec_, stream)
             try:
-                seg = self.graph_launches[-1][0]["seg"]
+                node = self.graph_launches[-1][0]
+                seg = node["seg"]
                 head, _ = pack.decode(dev._mem(seg, pack.HEADER_BYTES).tobytes())
-                dev._mem(seg, pack.GRAPH_CAPACITY)  # the kernel reads all of it
-                be.scatter(seg, int(head["nblocks"]), dev.default_stream, True)
+                # the kernel reads all GRAPH_CAPACITY bytes, and writes the tag last
+                be.scatter_graphed(seg, int(head["nblocks"]), dev.default_stream, node["cell"])
             except Exception as e:  # a callback's exception would be lost
                 problems.append(repr(e))
             return rc
