@@ -183,6 +183,8 @@ class SlotCore:
     frees: object
     base: object
     stamp: int
+    tag: int
+    tag_host: int
 
 @disjoint_base
 class RingCore:
@@ -210,6 +212,7 @@ class RingCore:
 class CopierCore:
     _closed: bool
     _in_step: bool
+    _tags: bool
     _owner: int
     _seg: object
     _checker: object

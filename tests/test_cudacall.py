@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from cucopy import pack
+from cucopy.errors import CopyError
 
 try:
     from cucopy.backends import _cudacall
@@ -886,6 +887,81 @@ def test_on_a_gpu_small_segments_launch_graphed_and_wait_for_their_slots(env, mo
 
 
 @pytest.mark.gpu
+@needs_both
+def test_on_a_gpu_a_graphed_step_writes_its_slot_s_tag_and_owes_no_event(env):
+    # the real kernel (cucopy_scatter_w8k) writes the slot's completion tag: a graphed
+    # step from the staging core leaves its slot tagged with no event recorded; the tag
+    # arrives once the stream ran the launch, not before (behind a held stream), and
+    # the slot's reuse waits for it
+    c, site = _gpu_copier(env, flush_mode="mapped", slots=2)
+    fast = c._backend._bound
+    if fast is None or not fast.graph_cap:
+        pytest.skip("no graphed launches on this driver")
+    assert c._tags
+    _two_copy_steps(env, c, site, 4)  # (each checked through to_host: synchronized)
+    slot = c._ring.current
+    assert slot.tag == c._ring.acquires == 4 and not slot.recorded and not slot.dirty
+    assert int(slot.cell[0]) == int(slot.cell[1]) == 4  # armed, and written back
+    assert c._fast_flushes == 4 and c.stats.modes["mapped"] == 4
+    stream = c._stream_obj if c._stream_obj is not None else env.default_stream
+    outs = [env.empty((300,)) for _ in range(4)]
+    with env.hold(stream):
+        for k, o in enumerate(outs[:2]):  # both slots in flight behind the hold
+            with c.step():
+                c.copy(site.b, o, np.full(300, k, np.int32))
+            held = c._ring.current
+            assert held.tag == c._ring.acquires and int(held.cell[1]) < held.tag
+        assert c._ring.in_flight()
+    for k, o in enumerate(outs[2:], 2):  # each reuse waits for the slot's tag
+        with c.step():
+            c.copy(site.b, o, np.full(300, k, np.int32))
+    for k, o in enumerate(outs):
+        assert env.to_host(o).tolist() == [k] * 300
+    assert not c._ring.in_flight()
+    assert all(int(s_.cell[1]) == s_.tag for s_ in c._ring._slots)
+    c.close()
+
+
+@pytest.mark.gpu
+@needs_both
+def test_on_a_gpu_a_tag_behind_a_stalled_stream_is_reported_at_the_deadline(env):
+    c, site = _gpu_copier(env, flush_mode="mapped", slots=2, wait_timeout=0.5)
+    fast = c._backend._bound
+    if fast is None or not fast.graph_cap:
+        pytest.skip("no graphed launches on this driver")
+    a = env.empty((300,))
+    stream = c._stream_obj if c._stream_obj is not None else env.default_stream
+    with env.hold(stream):
+        for k in range(2):
+            with c.step():
+                c.copy(site.b, a, np.full(300, k, np.int32))
+        with pytest.raises(CopyError, match="its completion tag"):
+            c.begin()
+        assert not c.in_step and c.staged == 0
+    with c.step():  # the hold ended: the copier goes on
+        c.copy(site.b, a, np.full(300, 9, np.int32))
+    assert env.to_host(a).tolist() == [9] * 300
+    c.close()
+
+
+@pytest.mark.gpu
+@needs_both
+def test_on_a_gpu_with_tags_off_graphed_steps_record_their_events(env, monkeypatch):
+    from cucopy import copier as copier_mod
+
+    monkeypatch.setattr(copier_mod, "TAGS", False)  # as CUCOPY_NO_TAG=1 at import
+    c, site = _gpu_copier(env, flush_mode="mapped", slots=2)
+    fast = c._backend._bound
+    if fast is None or not fast.graph_cap:
+        pytest.skip("no graphed launches on this driver")
+    assert not c._tags
+    _two_copy_steps(env, c, site, 5)
+    slot = c._ring.current
+    assert slot.tag == -1 and slot.recorded and c.stats.modes["mapped"] == 5
+    c.close()
+
+
+@pytest.mark.gpu
 @needs_ext
 def test_on_a_gpu_the_backends_compiled_driver_records_and_queries_events():
     # the backend hands cuEventRecord and cuEventQuery to its compiled driver, and the
@@ -1097,9 +1173,10 @@ def test_a_mapped_segment_lands_from_the_staging_core_with_its_event(mode):
 def test_small_mapped_segments_launch_graphed_with_their_events():
     # a mapped segment of at most pack.GRAPH_CAPACITY bytes is launched through the
     # one-node graph made for its address (compiled: the staging core's flush calls
-    # the launcher's graphed(); Python twin: the backend's scatter_graphed()), its
-    # slot's event recorded after it; the kernel reads GRAPH_CAPACITY bytes at the
-    # segment, so a later segment of the step starts past them
+    # the launcher's graphed(); Python twin: the backend's scatter_graphed()); the
+    # step's first writes its slot's completion tag, the second (a later reader of the
+    # slot) has the slot's event recorded after it; the kernel reads GRAPH_CAPACITY
+    # bytes at the segment, so a later segment of the step starts past them
     from cucopy import copier as copier_mod
 
     c, Site, dev, fake, problems = _landing_copier("mapped", events=True, graphs=True)
@@ -1129,7 +1206,12 @@ def test_small_mapped_segments_launch_graphed_with_their_events():
         assert {st for _, st in fake.graph_launches} == {77}
         # one graph per segment address: the slots' first and second segments
         assert len(set(segs)) == 2 * c._ring.slots
-        assert len(fake.records) == 2 * steps  # each segment's event, from C
+        tagged = [n["cell"] for n, _ in fake.graph_launches]
+        # the first segment of each step tagged (the tag in the slot's headroom), the
+        # second not: its event recorded after it, from C, one a step
+        assert tagged[1::2] == [0] * steps
+        assert all(t == s_ + pack.TAG_AT for t, s_ in zip(tagged[::2], segs[::2]))
+        assert len(fake.records) == steps
     else:
         assert fake.graph_launches == [] and c._fast_flushes == 0
     c.close()

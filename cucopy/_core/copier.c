@@ -30,6 +30,7 @@
 typedef struct {
     PyObject_HEAD
     char closed, in_step, capturing, stepping; /* _closed, _in_step, _capturing, _stepping */
+    char tags; /* _tags: a graphed launch writes its slot's completion tag (no event) */
     unsigned long long owner; /* _owner: the thread whose step is open (thread_id; 0: none) */
     long long cap_for, cap;   /* the slot size the table reservation is for, and it */
     long long carry_max;      /* the largest carried launch (0: none) */
@@ -271,11 +272,28 @@ static PyObject *copiercore_flush_fast(CopierCore *c, PyObject *unused) {
         total <= gcap && off + gcap <= (int64_t)seg->view.len && off + gcap <= seg->top) {
         /* _land's graphed launch (mapped, and auto: half a carried launch's host
          * time): its kernel reads gcap bytes at the segment when it runs, so the
-         * slot's next segment starts past them */
-        if (E->graphed(E->drv, stream, dev + (unsigned long long)off) != 0) goto cut;
+         * slot's next segment starts past them. The step's first reader of the slot
+         * is tagged (the slot's completion tag armed with the step, here): when it is
+         * also the last, the flush records no event and the next turn asks none */
+        long long step = -1;
+        int tag = c->tags && E->graphed_tag && slot->dirty == Py_False && slot->tag < 0 &&
+                  slot->tag_host && int_field(ring->acquires, &step) && step >= 0;
+        PyErr_Clear();
+        int rc;
+        if (tag) {
+            ((volatile uint64_t *)(uintptr_t)slot->tag_host)[0] = (uint64_t)step;
+            rc = E->graphed_tag(E->drv, stream, dev + (unsigned long long)off,
+                                dev + (unsigned long long)(long long)TAG_AT);
+        } else {
+            rc = E->graphed(E->drv, stream, dev + (unsigned long long)off);
+        }
+        if (rc != 0) goto cut;
         if (seg->cursor < off + gcap) seg->cursor = off + gcap;
         how = S->s_mapped;
-        Py_SETREF(slot->dirty, Py_NewRef(Py_True));
+        if (tag)
+            slot->tag = step;
+        else
+            Py_SETREF(slot->dirty, Py_NewRef(Py_True));
     } else if (carries && total <= inline_max) {
         if (launch_carried(seg, L, nblocks, stream, dev + (unsigned long long)off, total) != 0)
             goto cut;
@@ -360,6 +378,7 @@ static PyMethodDef copiercore_methods[] = {
 static PyMemberDef copiercore_members[] = {
     TYPED("_closed", T_BOOL, closed) TYPED("_in_step", T_BOOL, in_step)
     TYPED("_capturing", T_BOOL, capturing) TYPED("_stepping", T_BOOL, stepping)
+    TYPED("_tags", T_BOOL, tags)
     TYPED("_owner", T_ULONGLONG, owner) TYPED("_cap_for", T_LONGLONG, cap_for)
     TYPED("_cap", T_LONGLONG, cap) TYPED("_carry_max", T_LONGLONG, carry_max)
     TYPED("_mapped_max", T_LONGLONG, mapped_max) TYPED("_graph_cap", T_LONGLONG, graph_cap)

@@ -33,6 +33,9 @@
 #define MAXDIM 16 /* dimensions of a shape the fast path compares */
 _Static_assert(sizeof(Py_ssize_t) == sizeof(int64_t), "shapes are compared as int64_t");
 #define MAX_FIELD 0xFFFFFFFFLL /* pack.MAX_FIELD: a descriptor's 32-bit fields */
+/* pack.TAG_AT: a slot's completion tag, from its first byte (tests/test_cudacall.py
+ * checks the compiled flush's tagged launches against pack.TAG_AT) */
+#define TAG_AT (-64)
 
 enum { MISS = 0, STAGED = 1, BARRIER = 2, FULL = -1, ORDER = -2 };
 

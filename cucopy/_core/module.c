@@ -119,6 +119,7 @@ static int module_exec(PyObject *m) {
     Py_DECREF(np);
     if (!st->uint8_descr) return -1;
     StepCoreType.tp_init = (initproc)stepcore_init;
+    SlotCoreType.tp_new = slotcore_new;
     CopierCoreType.tp_new = copiercore_new;
     CopierCoreType.tp_getset = copiercore_getset;
     ActivationType.tp_init = (initproc)activation_init;

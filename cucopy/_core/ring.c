@@ -141,8 +141,8 @@ static PyTypeObject WindowMaxType = {
  * stays in the Python classes. ``RingCore.advance_fast`` is the common step of
  * ``DeviceCopier._advance`` with ``StagingRing.acquire`` in one call: the previous
  * slot left clean (its event recorded at the flush, or none needed), the next one
- * idle (not recorded, or its event complete; no temporaries), sized for the demand
- * the ring last sized for. It checks all of that
+ * idle (its tag, if armed, arrived; not recorded, or its event complete; no
+ * temporaries), sized for the demand the ring last sized for. It checks all of that
  * before changing anything, and returns None when any of it fails: the Python path
  * then runs, whole. On the GPU's host the two Python frames cost ~1.5 us a step,
  * several times that when an engine's own work has left the caches cold. */
@@ -155,7 +155,34 @@ typedef struct {
     PyObject *size, *bottom, *top, *recorded, *dirty, *temps, *frees;
     PyObject *base; /* the pinned buffer's device address (what a launch reads it at) */
     long long stamp; /* the ring's acquires when its event was last recorded (-1: never) */
+    /* the step a tagged launch armed the slot's completion tag with (-1: none since the
+     * slot was acquired), and the tag's host address (pack.TAG_AT; 0: none, or freed):
+     * the slot is in flight until the tag's second word says that step (ring.Slot) */
+    long long tag;
+    unsigned long long tag_host;
 } SlotCore;
+
+/* whether slot s's completion tag, if armed, has arrived: 1 yes (or none armed), 0 not
+ * yet, -1 armed but unreadable (the Python path decides). A load of host memory that
+ * the device writes, with acquire order: the slot's bytes are rewritten only after it
+ * (x86 keeps that order anyway; a weakly ordered host, an Arm one, would not). */
+static inline int slot_tag_done(const SlotCore *s) {
+    if (s->tag < 0) return 1;
+    if (!s->tag_host) return -1;
+    const uint64_t *at = (const uint64_t *)(uintptr_t)s->tag_host + 1;
+#if defined(__GNUC__) || defined(__clang__)
+    uint64_t done = __atomic_load_n(at, __ATOMIC_ACQUIRE);
+#else
+    uint64_t done = *(const volatile uint64_t *)at;
+#endif
+    return done >= (uint64_t)s->tag;
+}
+
+static PyObject *slotcore_new(PyTypeObject *tp, PyObject *args, PyObject *kw) {
+    SlotCore *s = (SlotCore *)PyType_GenericNew(tp, args, kw);
+    if (s) s->tag = -1;
+    return (PyObject *)s;
+}
 
 
 #define SLOT_FIELDS(X) X(size) X(bottom) X(top) X(recorded) X(dirty) X(temps) X(frees) X(base)
@@ -173,6 +200,10 @@ static PyMemberDef slotcore_members[] = {
     {"base", T_OBJECT_EX, offsetof(SlotCore, base), 0, "The pinned buffer's device address."},
     {"stamp", T_LONGLONG, offsetof(SlotCore, stamp), 0,
      "The ring's acquires when its event was last recorded (-1: never)."},
+    {"tag", T_LONGLONG, offsetof(SlotCore, tag), 0,
+     "The step its completion tag was armed with for a launch still owed (-1: none)."},
+    {"tag_host", T_ULONGLONG, offsetof(SlotCore, tag_host), 0,
+     "Its completion tag's host address (0: none)."},
     {NULL},
 };
 
@@ -325,6 +356,9 @@ static int ring_advance(RingCore *r, PyObject *segobj, PyObject *tablesobj, long
     }
     int64_t used = want + pbottom + psize - ptop;
     if (wm_peek(demand, used) != peak || size < target || size > 2 * target) return 0;
+    /* its tagged launch's tag first (a load of host memory, StagingRing._idle): not yet
+     * arrived, and the Python path waits for it; nothing is changed */
+    if (slot_tag_done(slot) != 1) return 0;
     long long certified = r->certified, probe = r->probe;
     if (slot->recorded == Py_True && !(slot->stamp >= 0 && slot->stamp <= certified)) {
         /* its step's work recorded an event: idle once that completed (StagingRing._idle:
@@ -366,7 +400,8 @@ static int ring_advance(RingCore *r, PyObject *segobj, PyObject *tablesobj, long
         int same = r->slots && PyList_CheckExact(r->slots) && PyList_GET_SIZE(r->slots) == n &&
                    PyList_GET_ITEM(r->slots, index) == slotobj && r->current == (PyObject *)prev &&
                    r->demand == (PyObject *)demand && slot->recorded == Py_True &&
-                   slot->dirty != NULL && empty_list(slot->temps) && empty_list(slot->frees);
+                   slot->dirty != NULL && empty_list(slot->temps) && empty_list(slot->frees) &&
+                   slot_tag_done(slot) == 1;
         Py_DECREF(slotobj); /* the ring's list holds it */
         if (!same) {
             PyErr_Clear();
@@ -392,6 +427,7 @@ static int ring_advance(RingCore *r, PyObject *segobj, PyObject *tablesobj, long
     Py_SETREF(slot->top, Py_NewRef(slot->size));
     Py_SETREF(slot->recorded, Py_NewRef(Py_False));
     Py_SETREF(slot->dirty, Py_NewRef(Py_False));
+    slot->tag = -1;
     Py_SETREF(r->current, Py_NewRef(slotobj));
     /* DeviceCopier._advance: bind, then the table reservation */
     PyObject *b = seg_bind(seg, slotobj);
