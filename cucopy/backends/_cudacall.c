@@ -69,6 +69,10 @@ typedef int (*graph_exec_destroy_fn)(void *exec);
 /* graphs a Driver makes at most (one per segment address and tag: a ring's slots,
  * usually offset 0 of each, so a few per copier); when full, graphed() launches nothing */
 #define MAX_GRAPHS 64
+/* the graphs by a hash of (seg, cell): twice MAX_GRAPHS buckets, so a lookup probes a
+ * bucket or two and touches two cache lines (a scan of the table touched up to 24: a
+ * ring's slots come round in turn, so a remembered last graph never matched) */
+#define GRAPH_BUCKETS 128
 typedef struct {
     unsigned long long seg, cell; /* the kernel's two arguments (cell 0: no tag) */
     void *exec;
@@ -111,7 +115,8 @@ typedef struct {
     graph_exec_destroy_fn graph_exec_destroy;
     void *whole;      /* cucopy_scatter_w8k */
     size_t graph_cap; /* the bytes it reads at its segment (0: no graphs) */
-    int ngraphs, last;
+    int ngraphs;
+    unsigned char bucket[GRAPH_BUCKETS]; /* index + 1 of a graph hashed there (0: empty) */
     Graph graphs[MAX_GRAPHS];
 } Driver;
 
@@ -142,7 +147,8 @@ static int Driver_init(Driver *self, PyObject *args, PyObject *kw) {
     self->graph_launch = NULL;
     self->whole = NULL;
     self->graph_cap = 0;
-    self->ngraphs = self->last = 0;
+    self->ngraphs = 0;
+    memset(self->bucket, 0, sizeof self->bucket);
     return 0;
 }
 
@@ -267,17 +273,16 @@ static PyObject *Driver_graphs(Driver *self, PyObject *args) {
  * there is none: 0 and *exec set, a CUresult when making it failed, or -1 when the
  * table is full */
 static int graph_for(Driver *self, unsigned long long seg, unsigned long long cell, void **exec) {
-    if (self->last < self->ngraphs && self->graphs[self->last].seg == seg &&
-        self->graphs[self->last].cell == cell) {
-        *exec = self->graphs[self->last].exec;
-        return 0;
-    }
-    for (int i = 0; i < self->ngraphs; i++)
+    unsigned long long h = (seg ^ (cell * 0x9E3779B97F4A7C15ULL)) * 0xFF51AFD7ED558CCDULL;
+    unsigned b = (unsigned)(h >> 57) & (GRAPH_BUCKETS - 1);
+    for (;; b = (b + 1) & (GRAPH_BUCKETS - 1)) { /* (never full: an empty bucket ends it) */
+        int i = self->bucket[b] - 1;
+        if (i < 0) break;
         if (self->graphs[i].seg == seg && self->graphs[i].cell == cell) {
-            self->last = i;
             *exec = self->graphs[i].exec;
             return 0;
         }
+    }
     if (self->ngraphs == MAX_GRAPHS) return -1;
     void *graph = NULL, *node = NULL, *made = NULL;
     int rc = self->graph_create(&graph, 0);
@@ -291,7 +296,7 @@ static int graph_for(Driver *self, unsigned long long seg, unsigned long long ce
     self->graph_destroy(graph); /* the executable keeps what it needs */
     if (rc) return rc;
     self->graphs[self->ngraphs] = (Graph){seg, cell, made};
-    self->last = self->ngraphs++;
+    self->bucket[b] = (unsigned char)++self->ngraphs; /* the empty bucket the probe ended at */
     *exec = made;
     return 0;
 }
