@@ -185,6 +185,8 @@ class SlotCore:
     stamp: int
     tag: int
     tag_host: int
+    headroom: int
+    array: object
 
 @disjoint_base
 class RingCore:

@@ -198,6 +198,8 @@ class PySlotCore:
         "stamp",
         "tag",
         "tag_host",
+        "array",
+        "headroom",
     )
 
 
@@ -269,7 +271,7 @@ class Slot(SlotCore):  # type: ignore[misc,valid-type]
         ``cell``'s host address (0 once closed), for the compiled ring step.
     """
 
-    __slots__ = ("pinned", "staging", "event", "array", "mv", "headroom", "cell")  # + SlotCore's
+    __slots__ = ("pinned", "staging", "event", "mv", "cell")  # and SlotCore's
 
     def __init__(self, backend, size: int):
         # SLOT_HEADROOM bytes before the slot's first byte, allocated with it and never

@@ -82,6 +82,7 @@ typedef struct CoreState {
     PyObject *plain_begin;  /* DeviceCopier.begin (StepCore._plain_begin) */
     PyObject *plain_flush;  /* DeviceCopier.flush (StepCore._plain_flush) */
     PyObject *known_core;   /* the copier class core_seg last saw (copier.c) */
+    PyObject *known_slot;   /* the slot class is_slot last saw (segment.c) */
     struct Native *natives; /* the native getters fingerprints declared (foreign.c) */
     int nnatives;
     PyObject **entry_pool; /* cleared Entry objects kept for the next steps (segment.c) */

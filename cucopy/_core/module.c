@@ -44,7 +44,7 @@ static int state_refs(CoreState *st, visitproc visit, void *arg) {
         else Py_CLEAR(*NAMED(st, i));
     }
     PyObject **objs[] = {&st->ndarray_type, &st->uint8_descr, &st->plain_begin, &st->plain_flush,
-                        &st->known_core};
+                        &st->known_core, &st->known_slot};
     for (size_t i = 0; i < sizeof objs / sizeof objs[0]; i++) {
         if (visit) Py_VISIT(*objs[i]);
         else Py_CLEAR(*objs[i]);
@@ -120,6 +120,7 @@ static int module_exec(PyObject *m) {
     if (!st->uint8_descr) return -1;
     StepCoreType.tp_init = (initproc)stepcore_init;
     SlotCoreType.tp_new = slotcore_new;
+    SlotCoreType.tp_getset = slotcore_getset;
     CopierCoreType.tp_new = copiercore_new;
     CopierCoreType.tp_getset = copiercore_getset;
     ActivationType.tp_init = (initproc)activation_init;

@@ -147,37 +147,6 @@ static PyTypeObject WindowMaxType = {
  * then runs, whole. On the GPU's host the two Python frames cost ~1.5 us a step,
  * several times that when an engine's own work has left the caches cold. */
 
-typedef struct {
-    PyObject_HEAD
-    /* Python objects, as a ``__slots__`` class holds them: the Python code that reads
-     * and writes these fields on every other path keeps its specialized attribute
-     * access (a C integer member would build an int at every read) */
-    PyObject *size, *bottom, *top, *recorded, *dirty, *temps, *frees;
-    PyObject *base; /* the pinned buffer's device address (what a launch reads it at) */
-    long long stamp; /* the ring's acquires when its event was last recorded (-1: never) */
-    /* the step a tagged launch armed the slot's completion tag with (-1: none since the
-     * slot was acquired), and the tag's host address (pack.TAG_AT; 0: none, or freed):
-     * the slot is in flight until the tag's second word says that step (ring.Slot) */
-    long long tag;
-    unsigned long long tag_host;
-} SlotCore;
-
-/* whether slot s's completion tag, if armed, has arrived: 1 yes (or none armed), 0 not
- * yet, -1 armed but unreadable (the Python path decides). A load of host memory that
- * the device writes, with acquire order: the slot's bytes are rewritten only after it
- * (x86 keeps that order anyway; a weakly ordered host, an Arm one, would not). */
-static inline int slot_tag_done(const SlotCore *s) {
-    if (s->tag < 0) return 1;
-    if (!s->tag_host) return -1;
-    const uint64_t *at = (const uint64_t *)(uintptr_t)s->tag_host + 1;
-#if defined(__GNUC__) || defined(__clang__)
-    uint64_t done = __atomic_load_n(at, __ATOMIC_ACQUIRE);
-#else
-    uint64_t done = *(const volatile uint64_t *)at;
-#endif
-    return done >= (uint64_t)s->tag;
-}
-
 static PyObject *slotcore_new(PyTypeObject *tp, PyObject *args, PyObject *kw) {
     SlotCore *s = (SlotCore *)PyType_GenericNew(tp, args, kw);
     if (s) s->tag = -1;
@@ -185,8 +154,38 @@ static PyObject *slotcore_new(PyTypeObject *tp, PyObject *args, PyObject *kw) {
 }
 
 
-#define SLOT_FIELDS(X) X(size) X(bottom) X(top) X(recorded) X(dirty) X(temps) X(frees) X(base)
-GC_FIELDS(slotcore, SlotCore, SLOT_FIELDS)
+#define SLOT_FIELDS(X) X(size) X(bottom) X(top) X(recorded) X(dirty) X(temps) X(frees) X(base) \
+    X(array)
+static int slotcore_traverse(SlotCore *o, visitproc visit, void *arg) {
+    SLOT_FIELDS(VISIT_FIELD)
+    return 0;
+}
+static int slotcore_clear(SlotCore *o) {
+    slot_unexport(o);
+    SLOT_FIELDS(CLEAR_FIELD)
+    return 0;
+}
+
+static PyObject *slotcore_get_array(SlotCore *s, void *unused) {
+    return Py_NewRef(s->array ? s->array : Py_None);
+}
+
+/* a new array (None when the slot closes) ends the export of the old one */
+static int slotcore_set_array(SlotCore *s, PyObject *v, void *unused) {
+    if (!v) {
+        PyErr_SetString(PyExc_AttributeError, "array cannot be deleted");
+        return -1;
+    }
+    if (v != s->array) slot_unexport(s);
+    Py_XSETREF(s->array, Py_NewRef(v));
+    return 0;
+}
+
+static PyGetSetDef slotcore_getset[] = {
+    {"array", (getter)slotcore_get_array, (setter)slotcore_set_array,
+     "The pinned buffer's bytes (a uint8 array; None once closed).", NULL},
+    {NULL},
+};
 
 
 static PyMemberDef slotcore_members[] = {
@@ -204,6 +203,8 @@ static PyMemberDef slotcore_members[] = {
      "The step its completion tag was armed with for a launch still owed (-1: none)."},
     {"tag_host", T_ULONGLONG, offsetof(SlotCore, tag_host), 0,
      "Its completion tag's host address (0: none)."},
+    {"headroom", T_PYSSIZET, offsetof(SlotCore, headroom), 0,
+     "Bytes allocated before the slot's first byte that no segment uses."},
     {NULL},
 };
 
