@@ -40,6 +40,10 @@ typedef struct {
     PyObject *mode_str;       /* flush_mode as set (the interned literal) */
     PyObject *seg, *checker, *feed, *feed_pending, *ring, *slot, *tables, *stats;
     PyObject *cap_query, *cap_arg, *launcher, *handle;
+    /* launcher's CarriedLauncher, read once when _launcher is set (NULL: not a launcher
+     * capsule): PyCapsule_GetPointer compares the capsule's name each call, two lines of
+     * two modules' constants on a cold host */
+    CarriedLauncher *lp;
     long long fast_begins, fast_flushes;
     /* counts of stats' totals the fast paths took, not yet folded into stats (a
      * Python attribute += costs ~0.1 us a time): _take_counts() hands them over */
@@ -73,10 +77,7 @@ static PyTypeObject CopierCoreType;
  * holding borrowed pointers into the copier's state asks this way. */
 static int not_capturing(CopierCore *c, CarriedLauncher *L, int c_only) {
     if (!c->cap_query || c->cap_query == Py_None || !c->cap_arg) return 0;
-    if (c->handle == c->cap_arg && !L && c->launcher && PyCapsule_CheckExact(c->launcher)) {
-        L = PyCapsule_GetPointer(c->launcher, LAUNCHER_NAME);
-        if (!L) PyErr_Clear();
-    }
+    if (!L && c->launcher) L = c->lp;
     unsigned long long stream;
     if (L && c->handle == c->cap_arg && L->abi == LAUNCHER_ABI && L->capturing &&
         u64_field(c->handle, &stream)) {
@@ -217,7 +218,7 @@ static PyObject *copiercore_flush_fast(CopierCore *c, PyObject *unused) {
             Py_RETURN_TRUE;
         Py_RETURN_FALSE;
     }
-    if (!c->launcher || !PyCapsule_CheckExact(c->launcher)) Py_RETURN_FALSE; /* (no C launch) */
+    if (!c->lp || !c->launcher) Py_RETURN_FALSE; /* (no C launch) */
     /* asked before any of the state read below is used: the query may be Python code
      * (then everything checked above is checked again, read afresh) */
     int idle = not_capturing(c, NULL, 0);
@@ -226,8 +227,7 @@ static PyObject *copiercore_flush_fast(CopierCore *c, PyObject *unused) {
     if (!core_usable(c, me) || !nstaged((Segment *)c->seg)) Py_RETURN_FALSE;
     seg = (Segment *)c->seg;
     ring = (RingCore *)c->ring;
-    if (!c->launcher || !PyCapsule_CheckExact(c->launcher) || !c->handle ||
-        !c->slot || !PyObject_TypeCheck(c->slot, &SlotCoreType))
+    if (!c->lp || !c->launcher || !c->handle || !c->slot || !is_slot(c->slot))
         Py_RETURN_FALSE;
     /* carried whole when it fits (inline, auto); else read mapped (mapped, auto) */
     int kind = c->mode;
@@ -237,7 +237,7 @@ static PyObject *copiercore_flush_fast(CopierCore *c, PyObject *unused) {
     if (!carries && !mapped_only) Py_RETURN_FALSE;
     SlotCore *slot = (SlotCore *)c->slot;
     if (!seg->bound || seg->slot != c->slot || !slot->base) Py_RETURN_FALSE;
-    CarriedLauncher *L = PyCapsule_GetPointer(c->launcher, LAUNCHER_NAME);
+    CarriedLauncher *L = c->lp;
     unsigned long long stream, dev;
     long long inline_max = c->carry_max;
     if (!L || !u64_field(c->handle, &stream) || !u64_field(slot->base, &dev)) {
@@ -385,7 +385,7 @@ static PyMemberDef copiercore_members[] = {
     MEMBER("_seg", seg) MEMBER("_checker", checker) MEMBER("_feed", feed)
     MEMBER("_feed_pending", feed_pending) MEMBER("_ring", ring) MEMBER("_slot", slot)
     MEMBER("_tables", tables) MEMBER("stats", stats) MEMBER("_cap_query", cap_query)
-    MEMBER("_cap_arg", cap_arg) MEMBER("_launcher", launcher) MEMBER("_handle", handle)
+    MEMBER("_cap_arg", cap_arg) MEMBER("_handle", handle)
     {"_fast_begins", T_LONGLONG, offsetof(CopierCore, fast_begins), READONLY,
      "Steps begun by _begin_fast."},
     {"_fast_flushes", T_LONGLONG, offsetof(CopierCore, fast_flushes), READONLY,
@@ -419,9 +419,35 @@ static int copiercore_set_flush_mode(CopierCore *c, PyObject *v, void *unused) {
     return 0;
 }
 
+static PyObject *copiercore_get_launcher(CopierCore *c, void *unused) {
+    if (!c->launcher) {
+        PyErr_SetString(PyExc_AttributeError, "_launcher");
+        return NULL;
+    }
+    return Py_NewRef(c->launcher);
+}
+
+/* the launcher capsule (or None), and its struct, read here once */
+static int copiercore_set_launcher(CopierCore *c, PyObject *v, void *unused) {
+    if (!v) {
+        PyErr_SetString(PyExc_AttributeError, "_launcher cannot be deleted");
+        return -1;
+    }
+    CarriedLauncher *L = NULL;
+    if (PyCapsule_CheckExact(v)) {
+        L = PyCapsule_GetPointer(v, LAUNCHER_NAME);
+        if (!L) PyErr_Clear();
+    }
+    Py_XSETREF(c->launcher, Py_NewRef(v));
+    c->lp = L;
+    return 0;
+}
+
 static PyGetSetDef copiercore_getset[] = {
     {"flush_mode", (getter)copiercore_get_flush_mode, (setter)copiercore_set_flush_mode,
      "How a segment lands: 'dma', 'mapped', 'inline' or 'auto'.", NULL},
+    {"_launcher", (getter)copiercore_get_launcher, (setter)copiercore_set_launcher,
+     "The compiled launcher (a capsule from the backend's carried_launcher()), or None.", NULL},
     {NULL},
 };
 
