@@ -585,6 +585,11 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
         """
         if _COMPILED and self._begin_fast():  # the common step, compiled (core/copier.c)
             return
+        self._begin_body()
+
+    def _begin_body(self) -> None:
+        """:meth:`begin` past its compiled common case (which the compiled core's own
+        ``begin`` calls when ``_begin_fast`` declined), or the whole of it in pure Python."""
         me = _thread_id()
         if self._closed or (self._in_step and self._owner != me):
             self._live()  # raises
@@ -1758,6 +1763,12 @@ def _collected(ring, seg, where: str) -> None:
     finally:
         orphan(ring)
 
+
+if _COMPILED:
+    # begin() and flush() are the compiled core's own (CopierCore.begin and .flush: the
+    # common step with no Python frame, the rest through _begin_body and _flush_rest);
+    # the Python definitions above are the pure-Python twin's
+    del DeviceCopier.begin, DeviceCopier.flush
 
 if _CompiledStepCore is not None:
     # step()'s compiled entry opens the step itself only for this begin(); a subclass

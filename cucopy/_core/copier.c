@@ -360,7 +360,22 @@ static PyObject *core_fastcopy(PyObject *self) {
     return is_core(self) ? ((CopierCore *)self)->fastcopy : NULL;
 }
 
+static PyObject *copiercore_begin(CopierCore *c, PyObject *unused);
+static PyObject *copiercore_flush(CopierCore *c, PyObject *unused);
+
 static PyMethodDef copiercore_methods[] = {
+    {"begin", (PyCFunction)copiercore_begin, METH_NOARGS,
+     "begin($self, /)\n--\n\n"
+     "Start a step: advance the ring (waiting only if the next slot is in flight).\n\n"
+     "Anything still staged from the previous step is flushed first, and in check mode its "
+     "``unchanged`` claims are verified (the common step in C, the rest in ``_begin_body``).\n\n"
+     "Raises\n------\nCopyError\n    From that flush (nothing staged is lost), or a false "
+     "claim in check mode."},
+    {"flush", (PyCFunction)copiercore_flush, METH_NOARGS,
+     "flush($self, /)\n--\n\n"
+     "Barrier: land everything staged (one upload + one launch per open segment).\n\n"
+     "Also records the slot's event where one is owed. Does nothing while the stream is "
+     "capturing (the common case in C, the rest in ``_flush_rest``)."},
     {"_flush_fast", (PyCFunction)copiercore_flush_fast, METH_NOARGS,
      "flush()'s common case: True when done, False for flush()'s Python body, or the cut "
      "(seg, end, nblocks, n) of a segment it could not launch carried whole."},
@@ -527,12 +542,10 @@ static PyObject *mod_context_id(PyObject *m, PyObject *unused) {
     return ctx ? PyLong_FromVoidPtr(ctx) : NULL;
 }
 
-/* flush() of copier c: DeviceCopier.flush's body with its _flush_fast called from here
- * (one Python frame less a step), or the copier's own flush() when a subclass has one */
-static PyObject *step_flush(CopierCore *c) {
+/* DeviceCopier.flush: _flush_fast, then _flush_failed on an error or _flush_rest when it
+ * did not land the step; True (a new reference) when _flush_fast did */
+static PyObject *flush_body(CopierCore *c) {
     PyObject *o = (PyObject *)c;
-    if (!(c->plain & PLAIN_FLUSH))
-        return PyObject_CallMethodNoArgs(o, S->s_flush);
     PyObject *done = copiercore_flush_fast(c, NULL);
     if (!done) {
         /* flush(): except BaseException as exc: self._flush_failed(exc) (raises) */
@@ -555,6 +568,32 @@ static PyObject *step_flush(CopierCore *c) {
     PyObject *r = PyObject_CallMethodOneArg(o, S->s_flush_rest, done);
     Py_DECREF(done);
     return r;
+}
+
+/* flush() of copier c: its body from here (no Python frame a step), or the copier's
+ * own flush() when a subclass has one */
+static PyObject *step_flush(CopierCore *c) {
+    if (!(c->plain & PLAIN_FLUSH)) return PyObject_CallMethodNoArgs((PyObject *)c, S->s_flush);
+    return flush_body(c);
+}
+
+/* DeviceCopier.begin and .flush themselves (cucopy.copier leaves them to these when the
+ * core is compiled): a call of either runs no Python frame in the common step, which on
+ * a cold host's first call into cucopy after an engine's own work saved ~50 cache lines
+ * of the interpreter's code and data (bench/probes/cold_lines.py) */
+static PyObject *copiercore_begin(CopierCore *c, PyObject *unused) {
+    PyObject *r = copiercore_begin_fast(c, NULL);
+    if (!r) return NULL;
+    Py_DECREF(r);
+    if (r == Py_True) Py_RETURN_NONE;
+    return PyObject_CallMethodNoArgs((PyObject *)c, S->s_begin_body);
+}
+
+static PyObject *copiercore_flush(CopierCore *c, PyObject *unused) {
+    PyObject *r = flush_body(c);
+    if (!r) return NULL;
+    Py_DECREF(r);
+    Py_RETURN_NONE;
 }
 
 static PyObject *stepcore_enter(StepCore *st, PyObject *unused) {

@@ -31,7 +31,7 @@ static const struct {
     NAME(s_inline, "inline") NAME(s_mapped, "mapped")
     NAME(s_auto, "auto") NAME(s_dma, "dma") NAME(s_enter, "_enter") NAME(s_exit, "_exit")
     NAME(s_flush, "flush") NAME(s_begin, "begin") NAME(s_flush_failed, "_flush_failed")
-    NAME(s_flush_rest, "_flush_rest")
+    NAME(s_flush_rest, "_flush_rest") NAME(s_begin_body, "_begin_body")
 };
 #undef NAME
 #define NAMED(st, i) ((PyObject **)((char *)(st) + names[i].off))
