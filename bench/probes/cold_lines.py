@@ -4,7 +4,7 @@ Usage:
     python bench/probes/cold_lines.py [--n 32] [--mode auto] [--reps 3] [--top 0]
     python bench/probes/cold_lines.py --inner ...   # what valgrind runs
 
-Question (issue 29): on a host whose caches an engine's own work has just evicted, a
+Question: on a host whose caches an engine's own work has just evicted (issue 29), a
 merged step's ``begin()`` and flush cost several times their warm host time (on the
 H200's host, N = 32: ``begin()`` 8-12 us cold against ~1 us warm). How much of that is
 memory the step touches, and where? Wall time cannot say on a machine without a GPU,
@@ -20,8 +20,9 @@ host is cold. Regions: the markers alone (their own cost, in every other region 
 one carried launch of an empty segment through the compiled ``Driver`` (the floor's
 host side, less the driver), ``begin()``, the copies, ``flush()``. ``--top K`` lists the
 K functions of ``begin()`` and ``flush()`` that touch the most lines. Needs valgrind
-(with its headers) and gcc; the compiled twin must be built. Answer: the numbers in the
-commits that cut lines from the step (issue 29).
+(with its headers) and gcc; the compiled twin must be built. Answer:
+``bench/results/2026-12-03-ci-cold_lines-issue29.txt`` (before and after the cuts of
+issue 29, on the CI machine).
 """
 
 from __future__ import annotations
