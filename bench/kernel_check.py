@@ -10,7 +10,8 @@ the header and table carried in the launch's parameters and the data mapped
 largest parameter buffer fall back to "carried", then to "mapped"), and
 ``cucopy_scatter_w8k`` launched through the one-node graphs of
 ``CudaBackend.scatter_graphed`` ("graphed": each segment at one of four places of
-the mapped staging, one graph each), and compares the device arena with
+the mapped staging, one graph each, each launch's completion tag checked written
+back, bad segments' too), and compares the device arena with
 :func:`cucopy.pack.reference_scatter` applied to a host copy of it. Also checks
 ``cucopy_fill``. ``tests/test_kernel_gpu.py`` runs the same harness; this
 script exists to run it under compute-sanitizer.
@@ -261,6 +262,17 @@ class Harness:
         self.caps = self.backend.carry_capacities()
         #: launches by how much they carried: "none", "head", "all"
         self.carried = {"none": 0, "head": 0, "all": 0, "graphed": 0}
+        # graphed launches write a completion tag (pack.TAG_BYTES) at one of four places
+        # of their own: each launch's is checked once its round was waited for
+        self._tags = cupy.cuda.PinnedMemory(4 * 64, flags)
+        self.tag_host = np.frombuffer(
+            cupy.cuda.PinnedMemoryPointer(self._tags, 0), dtype=np.uint64, count=4 * 8
+        )
+        self.tag_host[:] = 0
+        self.tag_mapped = int(cupy.cuda.runtime.pointerGetAttributes(self._tags.ptr).devicePointer)
+        #: graphed launches that wrote their tag, and reports of those that did not
+        self.tagged = 0
+        self.tag_failures: list[str] = []
         #: carried launches of one block a descriptor (the kernel's direct path)
         self.direct = 0
 
@@ -298,16 +310,36 @@ class Harness:
         mapped memory); a round of four is waited for before its places are rewritten."""
         stride = self.stage_bytes // 4
         be = self.backend
+        armed: list = []
         for i, s in enumerate(segments):
             if s.data.size + pack.GRAPH_CAPACITY > stride:
                 raise ValueError(f"segment: {s.data.size} bytes exceed a graphed place")
             if i % 4 == 0:
                 self.cp.cuda.runtime.deviceSynchronize()
+                self._check_tags(armed)
             o = (i % 4) * stride
             self.stage_host[o : o + s.data.size] = s.data
-            be.scatter_graphed(self.stage_mapped + o, s.nblocks, 0)
+            # the place's tag, armed with a number of its own (whatever the segment holds,
+            # a bad one included, the kernel writes it back when done)
+            w = (i % 4) * 8
+            want = self.carried["graphed"] + 1
+            self.tag_host[w] = want
+            cell = self.tag_mapped + (i % 4) * 64
+            if be.scatter_graphed(self.stage_mapped + o, s.nblocks, 0, cell):
+                armed.append((w, want))
             self.carried["graphed"] += 1
         self.cp.cuda.runtime.deviceSynchronize()
+        self._check_tags(armed)
+
+    def _check_tags(self, armed: list) -> None:
+        """After a wait for the device: each tagged launch of ``armed`` wrote its tag."""
+        for w, want in armed:
+            got = int(self.tag_host[w + 1])
+            if got == want:
+                self.tagged += 1
+            else:
+                self.tag_failures.append(f"graphed: the tag armed with {want} reads {got}")
+        armed.clear()
 
     def _carry(self, s: Segment, mode: str) -> int:
         """Bytes of ``s`` a launch in ``mode`` carries (0: the uncarried kernel)."""
@@ -338,13 +370,15 @@ class Harness:
     def check(self, segments: list[Segment], mode: str) -> list[str]:
         """Run a batch and compare with the reference; returns mismatch reports."""
         image = self.arena.get()
+        failed = len(self.tag_failures)
         self.run(segments, mode)
         got = self.arena.get()
+        tags = self.tag_failures[failed:]
         for s in segments:
             reference(image, self.base, s.data)
         if np.array_equal(got, image):
-            return []
-        return self._localize(image, got, segments, mode)
+            return tags
+        return tags + self._localize(image, got, segments, mode)
 
     def _localize(self, want_end, got_end, segments, mode) -> list[str]:
         # Replay the batch one segment at a time from the state before it.
@@ -464,9 +498,15 @@ def main(argv: list[str] | None = None) -> int:
     if "graphed" in modes:
         fast = h.backend._bound
         made = fast.graph_count if fast is not None else 0
-        print(f"graphed: {made} graphs made (none: the launches fell back to mapped)", flush=True)
+        print(
+            f"graphed: {made} graphs made (none: the launches fell back to mapped), "
+            f"{h.tagged} completion tags written back",
+            flush=True,
+        )
         if not made:
             failures.append("graphed: no graph was made (the compiled driver calls are needed)")
+        elif not h.tagged:
+            failures.append("graphed: no launch wrote its completion tag")
     for i in range(args.fills):
         failures += h.check_fill(rng, grid=None if i % 2 else int(rng.integers(1, 8)))
     print(f"fill: {args.fills} launches checked", flush=True)

@@ -25,7 +25,8 @@
  * kernel reads the segment when it runs, as a mapped launch does: its slot's event must
  * follow it, and all graph_cap bytes at seg stay unwritten until that event completes.
  *
- * copy() (ABI 5) is the eager path's one driver copy (cucopy/_core/copy.c, eager_fast).
+ * copy() (ABI 6, with graphed_tag) is the eager path's one driver copy (_core/copier.c,
+ * core_eager).
  *
  * abi is LAUNCHER_ABI: a caller built against another layout uses none of it. */
 #ifndef CUCOPY_CARRIED_LAUNCHER_H
@@ -33,7 +34,7 @@
 
 #include <stddef.h>
 
-#define LAUNCHER_ABI 5
+#define LAUNCHER_ABI 6
 
 typedef struct {
     int (*carried)(void *drv, unsigned long long nblocks, unsigned long long stream,
@@ -60,6 +61,12 @@ typedef struct {
     int (*copy)(void *drv, unsigned long long dst, unsigned long long dpitch, const void *src,
                 unsigned long long spitch, unsigned long long width, unsigned long long rows,
                 unsigned long long stream);
+    /* graphed_tag() is graphed() whose kernel, once its reads of the segment are done,
+     * copies the u64 at cell (the device address of the slot's completion tag,
+     * pack.TAG_AT) to cell + 8 (cucopy_scatter_w8k): a slot whose last reader it is
+     * needs no event after it. NULL where graphed is. */
+    int (*graphed_tag)(void *drv, unsigned long long stream, unsigned long long seg,
+                       unsigned long long cell);
 } CarriedLauncher;
 
 #define LAUNCHER_NAME "cucopy.carried_launcher"

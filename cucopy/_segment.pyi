@@ -185,6 +185,10 @@ class SlotCore:
     frees: object
     base: object
     stamp: int
+    tag: int
+    tag_host: int
+    headroom: int
+    array: object
 
 @disjoint_base
 class RingCore:
@@ -212,6 +216,7 @@ class RingCore:
 class CopierCore:
     _closed: bool
     _in_step: bool
+    _tags: bool
     _owner: int
     _seg: object
     _checker: object
@@ -244,6 +249,8 @@ class CopierCore:
     def _step_seq(self) -> int: ...
     @property
     def _plain_bits(self) -> int: ...
+    def begin(self) -> None: ...
+    def flush(self) -> None: ...
     def _flush_fast(self) -> bool | _Cut: ...
     def _begin_fast(self) -> bool: ...
     def _take_counts(self) -> tuple[int, int, int, int, int]: ...

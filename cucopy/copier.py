@@ -39,6 +39,11 @@ FLUSH_MODES = ("auto", "dma", "mapped", "inline")
 
 #: ``CUCOPY_NO_NT=1`` at import: no streaming stores (see DeviceCopier._nt_from)
 _NT_OFF = os.environ.get("CUCOPY_NO_NT", "") not in ("", "0")
+#: Whether a copier made from now on has its graphed launches write their slot's
+#: completion tag (``cucopy.ring``) instead of the slot's event being recorded after
+#: them and queried at the slot's next turn: False with ``CUCOPY_NO_TAG=1`` in the
+#: environment at import. Read when a copier is made (``DeviceCopier._tags``).
+TAGS = os.environ.get("CUCOPY_NO_TAG", "") in ("", "0")
 _EMPTY_PLAN = CopyPlan()
 _FILL_ELEMS = (1, 2, 4, 8)
 # Without a carried header and table (a backend that carries nothing), "auto"
@@ -260,6 +265,7 @@ class PyCopierCore:
         "flush_mode",
         "_mapped_max",
         "_graph_cap",
+        "_tags",
         "__dict__",
         "__weakref__",
     )
@@ -404,6 +410,9 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
         self._ring = StagingRing(self._backend, slots, capacity)
         # the compiled step asks the next slot's event through the launcher when it can
         self._ring._launcher = self._launcher
+        self._ring.work_stream = self._stream  # what a wait for a slot's tag hands the backend
+        # graphed launches write their slot's completion tag: no event after them
+        self._tags = bool(TAGS)
         # what a wait past its deadline reports (ring.wait_slot)
         self._ring.timeout = self.wait_timeout
         self._ring.stream = self._stream_obj if stream is not None else self._stream
@@ -593,6 +602,11 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
         """
         if _COMPILED and self._begin_fast():  # the common step, compiled (core/copier.c)
             return
+        self._begin_body()
+
+    def _begin_body(self) -> None:
+        """:meth:`begin` past its compiled common case (which the compiled core's own
+        ``begin`` calls when ``_begin_fast`` declined), or the whole of it in pure Python."""
         me = _thread_id()
         if self._closed or (self._in_step and self._owner != me):
             self._live()  # raises
@@ -1757,11 +1771,9 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
             landed = True
             if checker is not None:
                 checker.landed()  # its watches end after the launch that lands the copies
-            if how != "inline":
-                # the launch reads the slot when it runs: the slot's event must follow
-                # it. An inline launch took its bytes at enqueue, so it needs no event
-                # (one fewer stream operation a step), and the slot may be rewritten.
-                slot.dirty = True
+            # (_land marked the slot: an event owed, or its tag armed; an inline launch
+            # took its bytes at enqueue, so it needs neither, and the slot may be
+            # rewritten)
             self.stats.add_segment(how, total)
             entries = None  # the segment recycles entries no one else holds (compiled twin)
             seg.finish()
@@ -1779,7 +1791,13 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
             raise err from exc
 
     def _land(self, start, end, nblocks, n, mode, cmax, slot, pin) -> str:
-        """Launch a cut segment by ``mode``'s path; returns the path taken."""
+        """Launch a cut segment by ``mode``'s path; returns the path taken.
+
+        A launch that reads the slot when it runs leaves the slot's event owed
+        (``slot.dirty``), or, a graphed launch that is the step's first reader of the
+        slot, the slot's completion tag armed with the step (``slot.tag``): the kernel
+        writes it back when done, and no event need follow unless more work reads the
+        slot later in the step (which marks it dirty)."""
         be = self._backend
         # the header and the table (past the table's end may lie reserved space)
         head = pack.HEADER_BYTES + n * pack.DESC_BYTES
@@ -1795,7 +1813,20 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
             # slot's next segment starts past them (its event guards them till then).
             # auto too: a graph launch costs the host half a carried launch (the GPU
             # about 2 us more, reading mapped memory: bench/README.md, session 12)
-            be.scatter_graphed(pin.device_ptr + start, nblocks, self._stream)
+            # The step's first reader of the slot is tagged: when it is also the last,
+            # the flush records no event and the slot's next turn asks none
+            seg_at = pin.device_ptr + start
+            if self._tags and not slot.dirty and slot.tag < 0:
+                step = self._ring.acquires
+                slot.cell[0] = step  # armed: what the kernel writes back when done
+                cell = pin.device_ptr + pack.TAG_AT
+                tagged = be.scatter_graphed(seg_at, nblocks, self._stream, cell)
+            else:
+                tagged = be.scatter_graphed(seg_at, nblocks, self._stream)
+            if tagged:
+                slot.tag = step
+            else:
+                slot.dirty = True  # read when the launch runs: the slot's event follows it
             if end < start + gcap:
                 self._seg.set_cursor(start + gcap)
             return "mapped"
@@ -1803,6 +1834,7 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
             # the whole segment travels in the launch: nothing read at run time
             be.scatter(pin.device_ptr + start, nblocks, self._stream, True, total, pin.ptr + start)
             return "inline"
+        slot.dirty = True  # read when the launch runs: the slot's event follows it
         if mode == "mapped" or (
             mode != "dma"
             and total <= self._mapped_max
@@ -1880,6 +1912,12 @@ def _collected(ring, seg, where: str) -> None:
     finally:
         orphan(ring)
 
+
+if _COMPILED:
+    # begin() and flush() are the compiled core's own (CopierCore.begin and .flush: the
+    # common step with no Python frame, the rest through _begin_body and _flush_rest);
+    # the Python definitions above are the pure-Python twin's
+    del DeviceCopier.begin, DeviceCopier.flush
 
 if _CompiledStepCore is not None:
     # step()'s compiled entry opens the step itself only for this begin(); a subclass

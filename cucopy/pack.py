@@ -52,6 +52,8 @@ __all__ = [
     "FEED_ENTRY_POINT",
     "GRAPH_CAPACITY",
     "GRAPH_ENTRY_POINT",
+    "TAG_AT",
+    "TAG_BYTES",
     "FEED_MAX",
 ]
 
@@ -233,6 +235,16 @@ assert FEED_HEAD_BYTES == 32, "internal: feed entry head size changed"
 # launch's event completes (the copier moves the slot's next segment past them).
 GRAPH_CAPACITY = 8192
 GRAPH_ENTRY_POINT = "cucopy_scatter_w8k"
+
+# The completion tag of a graphed launch (scatter.cu, cucopy_scatter_w8k's ``cell``):
+# TAG_BYTES in a ring slot's headroom, TAG_AT bytes from the slot's first byte: the
+# step the host armed it with before the launch (u64), then the step the kernel copies
+# there once its reads of the slot are done (u64). The host reads the second word to
+# know the slot is free, instead of an event (cucopy.ring). A cache line of its own in
+# the headroom, the one whose last CARRY_PREFIX bytes a carried launch of the slot's
+# first segment writes.
+TAG_AT = -64
+TAG_BYTES = 16
 assert FEED_LANE_BYTES == FEED_HEAD_BYTES + HEADER_BYTES, "internal: a lane is head + header"
 
 

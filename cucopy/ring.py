@@ -6,6 +6,15 @@ per step; the host waits only when the slot it is about to reuse is still in
 flight (its event, recorded after the last work that reads it, has not
 completed). Barriers append segments to the same slot, so they never wait.
 
+A step whose last reader of its slot is a graphed scatter launch needs no event:
+that kernel's last act is to write the step's number into the slot's completion
+tag (``pack.TAG_AT``, in the slot's headroom: mapped pinned memory), and the ring
+reads the tag, a plain load of host memory, where it would ask the driver about
+an event (``cuEventRecord`` at the flush and ``cuEventQuery`` at the next turn: a
+driver call each, several microseconds each on a host whose caches are cold).
+A slot is free once its event (if recorded) has completed and its tag (if armed)
+has arrived.
+
 No memory is freed before :meth:`StagingRing.close`: ``cudaFreeHost`` and
 ``cudaFree`` wait for the whole device, so a free between steps would be the
 coarse synchronization cucopy exists to avoid (behind a kernel that waits on the
@@ -18,6 +27,8 @@ from __future__ import annotations
 import collections
 import threading
 import time
+
+import numpy as np
 
 from . import pack
 from .backends.base import PinnedBuffer
@@ -175,7 +186,21 @@ class PySlotCore:
     which the compiled ``RingCore.advance_fast`` reads and writes directly.
     """
 
-    __slots__ = ("size", "bottom", "top", "recorded", "dirty", "temps", "frees", "base", "stamp")
+    __slots__ = (
+        "size",
+        "bottom",
+        "top",
+        "recorded",
+        "dirty",
+        "temps",
+        "frees",
+        "base",
+        "stamp",
+        "tag",
+        "tag_host",
+        "array",
+        "headroom",
+    )
 
 
 class PyRingCore:
@@ -211,7 +236,7 @@ SLOT_HEADROOM = 256
 
 
 class Slot(SlotCore):  # type: ignore[misc,valid-type]
-    """One pinned host buffer, its device staging twin and its event.
+    """One pinned host buffer, its device staging twin, its event and its completion tag.
 
     Attributes
     ----------
@@ -234,9 +259,19 @@ class Slot(SlotCore):  # type: ignore[misc,valid-type]
     frees : list
         Check mode's unread snapshot buffers that did not come from the ring (none
         while a slot is current), freed when the slot is reused.
+    cell : numpy.ndarray
+        The completion tag (``pack.TAG_BYTES`` of the headroom at ``pack.TAG_AT``) as
+        two ``uint64``: the step the host armed it with, and the step a graphed
+        scatter's kernel wrote back once its reads of the slot were done.
+    tag : int
+        The step whose tagged launch is the slot's last reader without an event after
+        it (-1: none since the slot was acquired): the slot is in flight until
+        ``cell[1]`` says it.
+    tag_host : int
+        ``cell``'s host address (0 once closed), for the compiled ring step.
     """
 
-    __slots__ = ("pinned", "staging", "event", "array", "mv", "headroom")  # and SlotCore's
+    __slots__ = ("pinned", "staging", "event", "mv", "cell")  # and SlotCore's
 
     def __init__(self, backend, size: int):
         # SLOT_HEADROOM bytes before the slot's first byte, allocated with it and never
@@ -249,6 +284,12 @@ class Slot(SlotCore):  # type: ignore[misc,valid-type]
             whole.array[h : h + size], whole.ptr + h, whole.device_ptr + h, whole.close
         )
         self.headroom = h
+        # the completion tag, in the headroom too (before the carried prefix's bytes)
+        at = h + pack.TAG_AT
+        self.cell = whole.array[at : at + pack.TAG_BYTES].view(np.uint64)
+        self.cell[:] = 0
+        self.tag_host = whole.ptr + at
+        self.tag = -1
         try:
             self.staging = backend.alloc_device(size)
         except BaseException:
@@ -283,6 +324,8 @@ class Slot(SlotCore):  # type: ignore[misc,valid-type]
         if self.mv is not None:
             self.mv.release()
             self.array = self.mv = None
+        self.tag_host = 0  # the compiled step never reads a freed tag
+        self.cell = None
         self.pinned.close()
         self.staging.close()
 
@@ -334,6 +377,8 @@ class StagingRing(RingCore):  # type: ignore[misc,valid-type]
         self.timeout = DEFAULT_WAIT_TIMEOUT
         #: the stream the events are recorded on, for the wait's error
         self.stream = None
+        #: the same stream as the backend takes it (what a tag wait hands the backend)
+        self.work_stream = None
         #: a destination address -> the site that last staged into it (the wait's error;
         #: the copier's dict: the ring must not hold the copier)
         self.sites_at: dict = {}
@@ -382,7 +427,7 @@ class StagingRing(RingCore):  # type: ignore[misc,valid-type]
             index = 0
         slot = slots[index]
         waited = False
-        if slot is not None and slot.recorded and not self._idle(index, slot):
+        if slot is not None and (slot.recorded or slot.tag >= 0) and not self._idle(index, slot):
             # before anything changes: a wait past its deadline raises and leaves the
             # ring as it was (the next step waits for the same slot again)
             self.wait_slot(index, "the next ring slot (a step, or an eager copy's snapshot)")
@@ -406,6 +451,7 @@ class StagingRing(RingCore):  # type: ignore[misc,valid-type]
                 slot.bottom = 0
                 slot.top = size
                 slot.recorded = slot.dirty = False
+                slot.tag = -1
                 self.current = slot
                 return slot, waited
             # kept, not freed: a free would wait for the device
@@ -421,14 +467,17 @@ class StagingRing(RingCore):  # type: ignore[misc,valid-type]
         slot.top = slot.size
         slot.recorded = False
         slot.dirty = False
+        slot.tag = -1
         self.current = slot
         return slot, waited
 
     def _idle(self, index: int, slot: Slot) -> bool:
-        """Whether recorded slot ``index``'s event has completed (False: not yet).
+        """Whether slot ``index``'s tag has arrived (if armed) and its event has completed
+        (if recorded): False while either has not.
 
-        Every event the ring records is recorded on the copier's one stream, in the
-        order of the steps, so once one is seen complete, all recorded before it are.
+        The tag, a load of host memory, is read first. Every event the ring records is
+        recorded on the copier's one stream, in the order of the steps, so once one is
+        seen complete, all recorded before it are.
         A slot recorded at or before what is known complete is idle without asking.
         Otherwise the newest event is asked first: in a loop whose host waits for each
         step, it has completed, and the next ``slots - 1`` steps then ask nothing. When
@@ -436,6 +485,11 @@ class StagingRing(RingCore):  # type: ignore[misc,valid-type]
         for a turn of the ring, then the newest again (the compiled step,
         ``RingCore.advance_fast``, decides the same from the same fields).
         """
+        tag = slot.tag
+        if tag >= 0 and int(slot.cell[1]) < tag:
+            return False
+        if not slot.recorded:
+            return True
         stamp = slot.stamp
         certified = self._certified
         if 0 <= stamp <= certified:
@@ -457,7 +511,8 @@ class StagingRing(RingCore):  # type: ignore[misc,valid-type]
         return True
 
     def wait_slot(self, index: int, what: str) -> None:
-        """Wait for slot ``index``'s event, at most :attr:`timeout` seconds.
+        """Wait for slot ``index``'s tag (if armed) and event (if recorded), at most
+        :attr:`timeout` seconds in all.
 
         Parameters
         ----------
@@ -472,16 +527,33 @@ class StagingRing(RingCore):  # type: ignore[misc,valid-type]
             stream, the copies and sites in flight in it, and how long. Nothing is
             changed: the copier stays usable.
         """
+        slot = self._slots[index]
+        t0 = time.monotonic()
+        tag = slot.tag
+        if tag >= 0 and not self.backend.tag_wait(slot.cell, tag, self.work_stream, self.timeout):
+            spent = time.monotonic() - t0
+            raise CopyError(
+                f"{what}: waited {spent:.3g} s (wait_timeout={self.timeout:g} s) for ring "
+                f"slot {index}: its completion tag (at {slot.tag_host:#x}, armed with step "
+                f"{tag} of {self.acquires}; reads {int(slot.cell[1])}), which the graphed "
+                f"scatter launched on stream {self.stream!r} writes when done, has not "
+                f"arrived. In flight in that slot: {self.in_slot(index)}. The device never "
+                "finished the work queued before that launch, or the launch itself (a hung "
+                "or stalled kernel on that stream?); nothing was changed, the copier stays "
+                "usable and its next wait starts afresh"
+            )
+        if not slot.recorded:
+            return
         event = self._events[index]
         shown = f"{event:#x}" if isinstance(event, int) else repr(event)
-        t0 = time.monotonic()
-        if self.backend.event_wait(event, self.timeout):
+        left = self.timeout - (time.monotonic() - t0)
+        if self.backend.event_wait(event, max(left, 0.0)):
             return
         spent = time.monotonic() - t0
         raise CopyError(
             f"{what}: waited {spent:.3g} s (wait_timeout={self.timeout:g} s) for ring slot "
             f"{index}: its event {shown}, recorded on stream {self.stream!r} after "
-            f"step {self._slots[index].stamp} of {self.acquires}, has not completed. In "
+            f"step {slot.stamp} of {self.acquires}, has not completed. In "
             f"flight in that slot: {self.in_slot(index)}. The device never finished the "
             "work queued before that event (a hung or stalled kernel on that stream?); "
             "nothing was changed, the copier stays usable and its next wait starts afresh"
@@ -604,12 +676,17 @@ class StagingRing(RingCore):  # type: ignore[misc,valid-type]
         return sum(s.size if isinstance(s, Slot) else s.nbytes for s in kept)
 
     def in_flight(self) -> bool:
-        """Whether a slot's work may still be running (an event not yet complete).
+        """Whether a slot's work may still be running (an event not yet complete, a tag
+        not yet arrived).
 
         Never waits and never runs work.
         """
         return any(
-            slot is not None and slot.recorded and not self.backend.event_query(slot.event)
+            slot is not None
+            and (
+                (slot.tag >= 0 and int(slot.cell[1]) < slot.tag)
+                or (slot.recorded and not self.backend.event_query(slot.event))
+            )
             for slot in self._slots
         )
 
@@ -620,9 +697,10 @@ class StagingRing(RingCore):  # type: ignore[misc,valid-type]
         freed stays with the ring and a second call frees it.
         """
         for i, slot in enumerate(self._slots):
-            if slot is not None and slot.recorded:
+            if slot is not None and (slot.recorded or slot.tag >= 0):
                 self.wait_slot(i, "close(): a ring slot in flight")
                 slot.recorded = False
+                slot.tag = -1
         self.current = None
         for i, slot in enumerate(self._slots):
             if slot is not None:

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from cucopy import pack
+from cucopy.errors import CopyError
 
 try:
     from cucopy.backends import _cudacall
@@ -239,11 +240,13 @@ class GraphFake(FakeDriver):
     def add(self, out, graph, deps, ndeps, params):
         p = _NodeParams.from_address(params)
         arg = ctypes.cast(p.params[0], ctypes.POINTER(ctypes.c_uint64))[0]
+        cell = ctypes.cast(p.params[1], ctypes.POINTER(ctypes.c_uint64))[0]
         self.nodes[graph] = {
             "f": p.func,
             "grid": tuple(p.grid),
             "block": tuple(p.block),
             "seg": arg,
+            "cell": cell,  # the completion tag's device address (0: none)
             "extra": p.extra,
         }
         out[0] = self._handle()
@@ -673,6 +676,7 @@ class _Launcher(ctypes.Structure):
         ("graph_cap", ctypes.c_size_t),
         ("capturing", ctypes.c_void_p),
         ("copy", ctypes.c_void_p),
+        ("graphed_tag", ctypes.c_void_p),
     ]
 
 
@@ -859,6 +863,30 @@ def test_the_launcher_offers_graphed_launches_once_graphs_are_set():
     )(s.graphed)
     assert graphed(s.drv, 0x5, 0x4000) == 0
     assert [(n["seg"], st) for n, st in fake.graph_launches] == [(0x4000, 0x5)]
+    assert s.graphed_tag
+    graphed_tag = ctypes.PYFUNCTYPE(
+        ctypes.c_int, ctypes.c_void_p, ctypes.c_ulonglong, ctypes.c_ulonglong, ctypes.c_ulonglong
+    )(s.graphed_tag)
+    assert graphed_tag(s.drv, 0x5, 0x4000, 0x4000 + pack.TAG_AT) == 0
+    node, _ = fake.graph_launches[-1]
+    assert (node["seg"], node["cell"]) == (0x4000, 0x4000 + pack.TAG_AT)
+    assert fake.graph_launches[0][0]["cell"] == 0  # the untagged graph: no tag
+
+
+@needs_ext
+def test_a_graph_is_made_once_per_segment_address_and_tag():
+    # the tag's address is the kernel's second argument, fixed in the graph: a tagged
+    # and an untagged launch of one segment are two graphs, each launched as made
+    fake = GraphFake()
+    d = _graph_driver(fake)
+    calls = [(0x1000, 0), (0x1000, 0x0FC0), (0x1000, 0x0FC0), (0x1000, 0), (0x9000, 0x8FC0)]
+    for seg, cell in calls:
+        assert (d.graphed(0x77, seg, cell) if cell else d.graphed(0x77, seg)) == 0
+    assert d.graph_count == 3
+    assert [(n["seg"], n["cell"]) for n, _ in fake.graph_launches] == calls
+    assert d.graphed(0x77, 0x1000, 0) == 0 and d.graph_count == 3  # cell 0: untagged
+    with pytest.raises(TypeError, match=r"graphed\(stream, seg\[, cell\]\)"):
+        d.graphed(0x77)
 
 
 def _two_copy_steps(env, c, site, steps: int) -> None:
@@ -929,6 +957,81 @@ def test_on_a_gpu_small_segments_launch_graphed_and_wait_for_their_slots(env, mo
     for k, o in enumerate(outs):
         assert env.to_host(o).tolist() == [k] * 300
     assert c.stats.modes["mapped"] == 10
+    c.close()
+
+
+@pytest.mark.gpu
+@needs_both
+def test_on_a_gpu_a_graphed_step_writes_its_slot_s_tag_and_owes_no_event(env):
+    # the real kernel (cucopy_scatter_w8k) writes the slot's completion tag: a graphed
+    # step from the staging core leaves its slot tagged with no event recorded; the tag
+    # arrives once the stream ran the launch, not before (behind a held stream), and
+    # the slot's reuse waits for it
+    c, site = _gpu_copier(env, flush_mode="mapped", slots=2)
+    fast = c._backend._bound
+    if fast is None or not fast.graph_cap:
+        pytest.skip("no graphed launches on this driver")
+    assert c._tags
+    _two_copy_steps(env, c, site, 4)  # (each checked through to_host: synchronized)
+    slot = c._ring.current
+    assert slot.tag == c._ring.acquires == 4 and not slot.recorded and not slot.dirty
+    assert int(slot.cell[0]) == int(slot.cell[1]) == 4  # armed, and written back
+    assert c._fast_flushes == 4 and c.stats.modes["mapped"] == 4
+    stream = c._stream_obj if c._stream_obj is not None else env.default_stream
+    outs = [env.empty((300,)) for _ in range(4)]
+    with env.hold(stream):
+        for k, o in enumerate(outs[:2]):  # both slots in flight behind the hold
+            with c.step():
+                c.copy(site.b, o, np.full(300, k, np.int32))
+            held = c._ring.current
+            assert held.tag == c._ring.acquires and int(held.cell[1]) < held.tag
+        assert c._ring.in_flight()
+    for k, o in enumerate(outs[2:], 2):  # each reuse waits for the slot's tag
+        with c.step():
+            c.copy(site.b, o, np.full(300, k, np.int32))
+    for k, o in enumerate(outs):
+        assert env.to_host(o).tolist() == [k] * 300
+    assert not c._ring.in_flight()
+    assert all(int(s_.cell[1]) == s_.tag for s_ in c._ring._slots)
+    c.close()
+
+
+@pytest.mark.gpu
+@needs_both
+def test_on_a_gpu_a_tag_behind_a_stalled_stream_is_reported_at_the_deadline(env):
+    c, site = _gpu_copier(env, flush_mode="mapped", slots=2, wait_timeout=0.5)
+    fast = c._backend._bound
+    if fast is None or not fast.graph_cap:
+        pytest.skip("no graphed launches on this driver")
+    a = env.empty((300,))
+    stream = c._stream_obj if c._stream_obj is not None else env.default_stream
+    with env.hold(stream):
+        for k in range(2):
+            with c.step():
+                c.copy(site.b, a, np.full(300, k, np.int32))
+        with pytest.raises(CopyError, match="its completion tag"):
+            c.begin()
+        assert not c.in_step and c.staged == 0
+    with c.step():  # the hold ended: the copier goes on
+        c.copy(site.b, a, np.full(300, 9, np.int32))
+    assert env.to_host(a).tolist() == [9] * 300
+    c.close()
+
+
+@pytest.mark.gpu
+@needs_both
+def test_on_a_gpu_with_tags_off_graphed_steps_record_their_events(env, monkeypatch):
+    from cucopy import copier as copier_mod
+
+    monkeypatch.setattr(copier_mod, "TAGS", False)  # as CUCOPY_NO_TAG=1 at import
+    c, site = _gpu_copier(env, flush_mode="mapped", slots=2)
+    fast = c._backend._bound
+    if fast is None or not fast.graph_cap:
+        pytest.skip("no graphed launches on this driver")
+    assert not c._tags
+    _two_copy_steps(env, c, site, 5)
+    slot = c._ring.current
+    assert slot.tag == -1 and slot.recorded and c.stats.modes["mapped"] == 5
     c.close()
 
 
@@ -1019,10 +1122,11 @@ def _landing_copier(
         def graph_launch(self, exec_, stream):
             rc = super().graph_launch(exec_, stream)
             try:
-                seg = self.graph_launches[-1][0]["seg"]
+                node = self.graph_launches[-1][0]
+                seg = node["seg"]
                 head, _ = pack.decode(dev._mem(seg, pack.HEADER_BYTES).tobytes())
-                dev._mem(seg, pack.GRAPH_CAPACITY)  # the kernel reads all of it
-                be.scatter(seg, int(head["nblocks"]), dev.default_stream, True)
+                # the kernel reads all GRAPH_CAPACITY bytes, and writes the tag last
+                be.scatter_graphed(seg, int(head["nblocks"]), dev.default_stream, node["cell"])
             except Exception as e:  # a callback's exception would be lost
                 problems.append(repr(e))
             return rc
@@ -1152,9 +1256,10 @@ def test_a_mapped_segment_lands_from_the_staging_core_with_its_event(mode):
 def test_small_mapped_segments_launch_graphed_with_their_events():
     # a mapped segment of at most pack.GRAPH_CAPACITY bytes is launched through the
     # one-node graph made for its address (compiled: the staging core's flush calls
-    # the launcher's graphed(); Python twin: the backend's scatter_graphed()), its
-    # slot's event recorded after it; the kernel reads GRAPH_CAPACITY bytes at the
-    # segment, so a later segment of the step starts past them
+    # the launcher's graphed(); Python twin: the backend's scatter_graphed()); the
+    # step's first writes its slot's completion tag, the second (a later reader of the
+    # slot) has the slot's event recorded after it; the kernel reads GRAPH_CAPACITY
+    # bytes at the segment, so a later segment of the step starts past them
     from cucopy import copier as copier_mod
 
     c, Site, dev, fake, problems = _landing_copier("mapped", events=True, graphs=True)
@@ -1184,7 +1289,12 @@ def test_small_mapped_segments_launch_graphed_with_their_events():
         assert {st for _, st in fake.graph_launches} == {77}
         # one graph per segment address: the slots' first and second segments
         assert len(set(segs)) == 2 * c._ring.slots
-        assert len(fake.records) == 2 * steps  # each segment's event, from C
+        tagged = [n["cell"] for n, _ in fake.graph_launches]
+        # the first segment of each step tagged (the tag in the slot's headroom), the
+        # second not: its event recorded after it, from C, one a step
+        assert tagged[1::2] == [0] * steps
+        assert all(t == s_ + pack.TAG_AT for t, s_ in zip(tagged[::2], segs[::2]))
+        assert len(fake.records) == steps
     else:
         assert fake.graph_launches == [] and c._fast_flushes == 0
     c.close()

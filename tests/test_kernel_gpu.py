@@ -201,3 +201,21 @@ def test_scatter_carried_garbage_block_starts_end(harness):
         table["block_start"][0] = 0
         harness.run([seg], "carried")
     _check_batches(harness, rng, "carried", segments=50)
+
+
+def test_graphed_launches_write_their_completion_tags(harness):
+    # every graphed launch of the conformance checks above is tagged (kernel_check's
+    # graphed mode): its kernel copies the armed word to the tag's second word once
+    # done, a bad segment's (nothing landed) too
+    rng = np.random.default_rng(14)
+    before = harness.tagged
+    seg = harness.segment(rng, ndesc=5, max_bytes=256)
+    seg.data[:4] = 0  # a bad magic: the kernel lands nothing, and still writes the tag
+    image = harness.arena.get()
+    harness.run([seg], "graphed")
+    assert np.array_equal(harness.arena.get(), image)
+    assert harness.tagged - before == 1
+    failures = harness.check([harness.segment(rng, ndesc=3, max_bytes=64)], "graphed")
+    assert not failures, "\n".join(failures)
+    assert harness.tagged - before == 2
+    assert not harness.tag_failures

@@ -554,7 +554,10 @@ def _ring_state(c) -> tuple:
         ring._peak,
         ring._target_size,
         ring._demand.max(),
-        tuple(None if s is None else (s.size, s.bottom, s.top, s.recorded, s.stamp) for s in slots),
+        tuple(
+            None if s is None else (s.size, s.bottom, s.top, s.recorded, s.stamp, s.tag)
+            for s in slots
+        ),
         (ring._newest, ring._newest_stamp),
         # what was seen complete depends on when the device ran the work: the same
         # under a deterministic policy only
@@ -567,6 +570,17 @@ def _ring_state(c) -> tuple:
     )
 
 
+def _python_begin(c) -> None:
+    """Make ``c.begin()`` run its Python body, never the compiled core's common step
+    (which takes the ring's step in C, whatever ``advance_fast`` says)."""
+
+    class PythonBegin(type(c)):
+        def begin(self):
+            self._begin_body()
+
+    c.__class__ = PythonBegin
+
+
 def _program(c, dev, seed: int) -> list:
     """Random steps (small and large, merged and eager, a discard, a copy outside a step):
     the ring state after each, then every destination's bytes."""
@@ -577,7 +591,7 @@ def _program(c, dev, seed: int) -> list:
     for i in range(120):
         n = int(rng.choice([4, 16, 64, 2048, 8192]))
         dst = a[:n] if n <= 64 else big[:n]
-        c.begin()  # not step(): its compiled __enter__ would not see a patched _begin_fast
+        c.begin()  # not step(): its compiled __enter__ would not see a patched begin
         c.copy(Site.POS, dst, np.full(n, i, np.int32))
         if rng.random() < 0.3:
             c.copy(Site.PLAIN, a[32:48], np.full(16, -i, np.int32))
@@ -601,7 +615,7 @@ def test_the_compiled_ring_step_leaves_what_the_python_one_does(sim_env, mode):
     fast = sim_env.copier(PLAN, slots=3, capacity=4096, flush_mode=mode)
     slow = sim_env.copier(PLAN, slots=3, capacity=4096, flush_mode=mode)
     slow._ring.advance_fast = lambda *a: None  # declines: the Python path runs
-    slow._begin_fast = lambda: False  # (its compiled twin takes the ring's step directly)
+    _python_begin(slow)  # (the compiled begin takes the ring's step directly)
     got, want = _program(fast, sim_env.dev, 7), _program(slow, sim_env.dev, 7)
     assert got == want
     assert slow._ring.fast_advances == 0
@@ -737,3 +751,221 @@ def test_an_event_newer_than_a_slots_is_not_taken_for_it_before_it_is_recorded(s
     c._backend.synchronize(c._stream)
     assert dev.to_host(a).tolist() == [6] * 16
     c.close()
+
+
+# -- the completion tag: graphed launches need no event ---------------------------------------
+
+
+def _graphed_copier(sim_env, **kw):
+    """A sim copier whose small segments launch graphed (``SimDevice.graph_capacity``),
+    with the backend's event records counted: ``(copier, records)``."""
+    from cucopy import pack
+
+    sim_env.dev.graph_capacity = pack.GRAPH_CAPACITY
+    kw.setdefault("flush_mode", "mapped")
+    c = sim_env.copier(PLAN, **kw)
+    records: list = []
+    be = c._backend
+    record = be.event_record
+
+    def counted(ev, stream):
+        records.append(ev)
+        return record(ev, stream)
+
+    be.event_record = counted
+    return c, records
+
+
+def test_a_graphed_step_writes_its_tag_and_records_no_event(sim_env):
+    # the step's one reader of its slot is the graphed launch: it arms the slot's tag
+    # with the step, its kernel writes it back when done, and no event is recorded or
+    # asked for, this step or when the slot comes round
+    c, records = _graphed_copier(sim_env, slots=3)
+    asked = _counting_queries(c)
+    dev = sim_env.dev
+    a = dev.empty((16,), np.int32)
+    for i in range(10):
+        with c.step():
+            c.copy(Site.POS, a, np.full(16, i, np.int32))
+        slot = c._ring.current
+        assert slot.tag == c._ring.acquires == i + 1
+        assert not slot.recorded and not slot.dirty
+        assert int(slot.cell[0]) == i + 1  # armed
+        if dev.policy == "lazy":
+            assert int(slot.cell[1]) < slot.tag  # nothing ran: not yet written back
+        c._backend.synchronize(c._stream)
+        assert int(slot.cell[1]) == slot.tag
+        assert dev.to_host(a).tolist() == [i] * 16
+    assert records == [] and asked == []
+    assert c.stats.modes["mapped"] == 10 and c.stats.host_waits == 0
+    c.close()
+
+
+def test_a_slot_is_reused_only_once_its_tag_arrived(sim_env):
+    # the host runs ahead of the device: a slot that comes round before its tag was
+    # written is waited for (the simulated stream runs until the tag arrives, as a GPU
+    # does on its own), never rewritten early; reading the tag alone runs no work
+    c, records = _graphed_copier(sim_env, slots=2)
+    dev = sim_env.dev
+    dsts = [dev.empty((16,), np.int32) for _ in range(8)]
+    for i, d in enumerate(dsts):
+        with c.step():
+            c.copy(Site.POS, d, np.full(16, i, np.int32))
+        if i >= 2 and dev.policy == "lazy":
+            # the slot's previous step (i - 2) landed before its bytes were rewritten;
+            # the step in between still waits in the stream
+            assert dev.raw(dsts[i - 2]).tolist() == [i - 2] * 16
+            assert c._stream.pending > 0
+    dev.synchronize()
+    for i, d in enumerate(dsts):
+        assert dev.to_host(d).tolist() == [i] * 16
+    assert records == []
+    if dev.policy == "lazy":
+        assert c.stats.host_waits == 6  # every reuse waited for its tag
+    c.close()
+
+
+def test_work_reading_the_slot_after_the_tagged_launch_has_the_slot_s_event(sim_env):
+    # an eager copy's snapshot in the slot after the graphed launch: the tag no longer
+    # covers the slot's last reader, so the flush records its event too, and the slot
+    # is free once both arrived; a second graphed segment (a barrier) likewise
+    c, records = _graphed_copier(sim_env, slots=2)
+    dev = sim_env.dev
+    a, b = dev.empty((16,), np.int32), dev.empty((16,), np.int32)
+    c.begin()
+    c.copy(Site.POS, a, np.full(16, 1, np.int32))
+    c.flush()  # the tagged launch
+    tagged = c._ring.current
+    assert tagged.tag == 1 and not tagged.dirty and records == []
+    c.copy(Site.PLAIN, b, np.full(16, 2, np.int32))  # eager: its snapshot is in the slot
+    assert tagged.dirty
+    c.flush()
+    assert tagged.recorded and tagged.tag == 1 and len(records) == 1
+    with c.step():  # a barrier mid-step: two graphed segments
+        c.copy(Site.POS, a, np.full(16, 3, np.int32))
+        c.flush()
+        c.copy(Site.POS, b, np.full(16, 4, np.int32))
+    second = c._ring.current
+    assert second.tag == 2 and second.recorded and len(records) == 2
+    with c.step():  # an eager copy first: the graphed launch after it is not tagged
+        c.copy(Site.PLAIN, b, np.full(16, 5, np.int32))
+        c.copy(Site.POS, a, np.full(16, 6, np.int32))
+    third = c._ring.current
+    assert third is tagged and third.tag == -1 and third.recorded and len(records) == 3
+    dev.synchronize()
+    assert dev.to_host(a).tolist() == [6] * 16 and dev.to_host(b).tolist() == [5] * 16
+    assert int(second.cell[1]) == 2
+    c.close()
+
+
+def test_steps_with_no_graphed_launch_keep_their_events(sim_env):
+    # inline (carried whole: the slot is not read), dma and an uncarried mapped launch
+    # are not tagged: the slot's event follows every launch that reads it
+    c, records = _graphed_copier(sim_env, slots=2, flush_mode="dma")
+    a = sim_env.dev.empty((16,), np.int32)
+    for i in range(3):
+        with c.step():
+            c.copy(Site.POS, a, np.full(16, i, np.int32))
+        assert c._ring.current.tag == -1 and c._ring.current.recorded
+    assert len(records) == 3
+    c.flush_mode = "inline"
+    with c.step():
+        c.copy(Site.POS, a, np.full(16, 9, np.int32))
+    assert c._ring.current.tag == -1 and not c._ring.current.recorded and len(records) == 3
+    assert sim_env.to_host(a).tolist() == [9] * 16
+    c.close()
+
+
+def test_with_tags_off_graphed_launches_record_events(sim_env, monkeypatch):
+    # CUCOPY_NO_TAG=1 at import (copier.TAGS), read when a copier is made
+    from cucopy import copier as copier_mod
+
+    monkeypatch.setattr(copier_mod, "TAGS", False)
+    c, records = _graphed_copier(sim_env, slots=2)
+    assert c._tags is False
+    a = sim_env.dev.empty((16,), np.int32)
+    for i in range(4):
+        with c.step():
+            c.copy(Site.POS, a, np.full(16, i, np.int32))
+        assert c._ring.current.tag == -1 and c._ring.current.recorded
+    assert len(records) == 4 and c.stats.modes["mapped"] == 4
+    assert sim_env.to_host(a).tolist() == [3] * 16
+    c.close()
+
+
+def test_a_tag_that_never_arrives_is_reported_at_the_deadline():
+    # behind a stalled stream the slot's tag never comes: the wait sleeps to its
+    # deadline and says which tag it waited for; the copier stays usable afterwards
+    from cucopy import pack
+    from cucopy.backends.sim import SimDevice
+
+    dev = SimDevice()
+    dev.graph_capacity = pack.GRAPH_CAPACITY
+    s = dev.stream()
+    a = dev.zeros((4,), np.int32)
+    c = cc.DeviceCopier(PLAN, stream=s, device=dev, slots=2, flush_mode="mapped", wait_timeout=0.05)
+    with s.hold(stall=True):
+        for i in range(2):
+            with c.step():
+                c.copy(Site.POS, a, np.arange(4, dtype=np.int32) + i)
+        assert c._ring.in_flight()
+        with pytest.raises(cc.CopyError) as info:
+            c.begin()
+        msg = str(info.value)
+        assert "waited 0.05" in msg and "ring slot 0: its completion tag" in msg
+        assert "armed with step 1 of 2; reads 0" in msg and "Site.POS x1" in msg
+        assert not c.in_step and c.staged == 0
+    with c.step():
+        c.copy(Site.POS, a, np.arange(4, dtype=np.int32) + 7)
+    assert dev.to_host(a).tolist() == [7, 8, 9, 10]
+    assert not c._ring.in_flight()
+    c.close()
+
+
+def test_close_waits_for_tags_and_an_orphan_behind_one_is_kept(sim_env):
+    # close() waits for a slot whose tag has not arrived; a collected copier's ring
+    # behind a held stream is kept until its tags came
+    c, _ = _graphed_copier(sim_env, slots=2)
+    dev = sim_env.dev
+    a = dev.empty((16,), np.int32)
+    with c.step():
+        c.copy(Site.POS, a, np.full(16, 5, np.int32))
+    c.close()  # waited (lazy: ran the stream until the tag arrived)
+    assert dev.raw(a).tolist() == [5] * 16
+    c2, _ = _graphed_copier(sim_env, slots=2)
+    with dev.default_stream.hold():
+        with c2.step():
+            c2.copy(Site.POS, a, np.full(16, 6, np.int32))
+        ring = c2._ring
+        assert ring.in_flight()
+        del c2
+        gc.collect()
+        from cucopy import ring as ring_mod
+
+        assert ring_mod.free_orphans() >= 1  # its tag is owed: kept, nothing waited
+    assert sim_env.to_host(a).tolist() == [6] * 16
+    assert not ring.in_flight()
+    sim_env.copier(PLAN).close()  # frees the set-aside ring
+
+
+@pytest.mark.parametrize("tags", [True, False], ids=["tags", "no-tags"])
+def test_the_compiled_ring_step_waits_for_tags_as_the_python_one(sim_env, monkeypatch, tags):
+    # the ring's compiled step reads the tag where the Python one does, and declines
+    # (changing nothing) while it has not arrived: the same ring state either way
+    from cucopy import copier as copier_mod
+    from cucopy import pack
+
+    monkeypatch.setattr(copier_mod, "TAGS", tags)
+    sim_env.dev.graph_capacity = pack.GRAPH_CAPACITY
+    fast = sim_env.copier(PLAN, slots=3, capacity=4096, flush_mode="auto")
+    slow = sim_env.copier(PLAN, slots=3, capacity=4096, flush_mode="auto")
+    for c in (fast, slow):
+        c._mapped_max = 1 << 20  # the sim's threshold is 4 KiB: graphed up to 8 KiB
+    slow._ring.advance_fast = lambda *a: None
+    _python_begin(slow)
+    got, want = _program(fast, sim_env.dev, 11), _program(slow, sim_env.dev, 11)
+    assert got == want
+    tagged = any(sl is not None and sl[5] >= 0 for state in got for sl in state[6])
+    assert tagged == tags  # some step's slot was tagged (with tags on)
+    fast.close()
+    slow.close()

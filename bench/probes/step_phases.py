@@ -14,6 +14,17 @@ attribute a destination's fingerprint reads, the same N copies at 16 B to 4 KiB 
 (what a staged byte adds), the bench's own decode mix through N sites and through one,
 then the top of a cProfile of whole steps. Host time only. Answers: ``bench/results/2026-12-01-h200-run23/step_phases.log``
 (the first run with it) and every GPU session's since.
+
+The cold step against its floors (issue 29): one launch of an empty kernel through
+cucopy's own launch path (the backend's compiled ``Driver``: a carried launch of an
+empty segment, ``cuLaunchKernel`` with a 1 KiB parameter buffer, and a graphed one,
+``cuGraphLaunch`` of the one-node graph whose kernel finds no segment), and one capture
+query (``cuStreamIsCapturing``, which begin() and flush() each make), warm and cold as
+the steps are timed; the same N copies of 16 B each, a step small enough to launch
+graphed, cold with the slot's completion tag (no event recorded or queried) and without
+(``copier.TAGS`` off, as ``CUCOPY_NO_TAG=1``); then a summary of the cold rows side by
+side with the two targets: ``begin()`` + flush at most 1.2x the empty carried launch,
+the whole cold step at most 0.15x the cold chained ``copy_`` step.
 """
 
 from __future__ import annotations
@@ -90,15 +101,19 @@ def main(argv=None) -> None:
     srcs = [rng.integers(0, 9, int(k), dtype=np.int32) for k in sizes]
     cc.show_config()
     profiled = None
+    cold = {}
     for label, c, triples in _variants(args, sites, sizes, srcs):
         _phases(args, label, c, triples)
         _phases(args, label, c, triples, drained=True)
         _positions(args, label, c, triples)
         if profiled is None:
             profiled = (c, triples)
-            _phases(args, label, c, triples, cold=True)
+            cold["step"] = (label, _phases(args, label, c, triples, cold=True))
     if not args.sim:
-        _chain(args, sizes, srcs)
+        cold["chain"] = _chain(args, sizes, srcs)
+        cold["launch"] = _launches(args, profiled[0])
+        cold["tags"] = _tagged_steps(args, sites)
+        _summary(args, cold)
         print("torch attribute reads (a lambda call each):")
         _attributes()
         _flush_sizes(args)
@@ -119,9 +134,11 @@ def main(argv=None) -> None:
     c.close()
 
 
-def _chain(args, sizes, srcs) -> None:
+def _chain(args, sizes, srcs) -> dict:
     """The same N copies as chained ``copy_(non_blocking=True)`` from pinned tensors, host
-    us a step after a drained stream, warm and with cold caches (as ``_phases`` makes them)."""
+    us a step after a drained stream, warm and with cold caches (as ``_phases`` makes them).
+
+    Returns ``{"warm": us, "cold": us}`` (medians of a step)."""
     import torch
 
     stream = torch.cuda.Stream()
@@ -129,6 +146,7 @@ def _chain(args, sizes, srcs) -> None:
     pinned = [torch.from_numpy(x).pin_memory() for x in srcs]
     pairs = list(zip(dsts, pinned))
     clock = time.perf_counter
+    out = {}
     with torch.cuda.stream(stream):
         for cold in (False, True):
             scratch = np.empty(COLD_BYTES, np.uint8) if cold else None
@@ -145,11 +163,148 @@ def _chain(args, sizes, srcs) -> None:
                 if i >= 200:
                     ts.append(t1 - t0)
             med = statistics.median(ts) * 1e6
+            out["cold" if cold else "warm"] = med
             how = f"cold caches ({COLD_BYTES >> 20} MiB written)" if cold else "warm"
             print(
                 f"N={args.n} chained torch copy_ from pinned, each after a drained stream, "
                 f"{how}: {med:.1f} us a step = {med / args.n:.2f} us/copy"
             )
+    return out
+
+
+def _launches(args, c) -> dict:
+    """One launch of an empty kernel through cucopy's own launch path, host us of the call
+    after a drained stream, warm and cold (as ``_phases`` times a step): the backend's
+    compiled ``Driver`` launching the carried scatter on an empty segment (nothing
+    carried: the kernel returns at once) and the one-node graph of the graphed scatter on
+    a slot of zeros (no segment there: it returns once it read them).
+
+    Returns ``{(path, "warm" or "cold"): us}`` (medians; empty without the compiled
+    driver calls)."""
+    from cucopy import pack
+
+    be = c._backend
+    drv = getattr(be, "_bound", None)
+    if drv is None:
+        print("empty launches: no compiled driver calls (CUCOPY_PURE_PYTHON?): not measured")
+        return {}
+    stream = c._stream
+    buf = be.alloc_pinned(2 * pack.GRAPH_CAPACITY)
+    buf.array[:] = 0
+    seg, host = buf.device_ptr, buf.ptr
+    paths = {"carried": lambda: drv.carried(1, stream, seg, host, 0)}
+    if drv.graph_cap:
+        paths["graphed"] = lambda: drv.graphed(stream, seg)
+    # not a launch: the capture query begin() and flush() each make (cuStreamIsCapturing)
+    paths["capture query"] = lambda: drv.is_capturing(stream)
+    sync = be.synchronize
+    clock = time.perf_counter
+    out = {}
+    for path, launch in paths.items():
+        for cold in (False, True):
+            scratch = np.empty(COLD_BYTES, np.uint8) if cold else None
+            steps = args.steps // 5 if cold else args.steps
+            ts = []
+            for i in range(steps + 200):
+                if scratch is not None:
+                    scratch.fill(i & 255)
+                sync(stream)
+                t0 = clock()
+                rc = launch()
+                t1 = clock()
+                if rc != 0:
+                    raise RuntimeError(f"{path}: CUresult or status {rc}")
+                if i >= 200:
+                    ts.append(t1 - t0)
+            out[path, "cold" if cold else "warm"] = med = statistics.median(ts) * 1e6
+            how = f"cold caches ({COLD_BYTES >> 20} MiB written)" if cold else "warm"
+            if path == "capture query":
+                print(
+                    f"one capture query through cucopy's driver calls (cuStreamIsCapturing), "
+                    f"each after a drained stream, {how}: {med:.2f} us"
+                )
+                continue
+            what = "cuLaunchKernel, 1 KiB parameters" if path == "carried" else "cuGraphLaunch"
+            print(
+                f"one {path} launch of an empty kernel through cucopy's launch path ({what}), "
+                f"each after a drained stream, {how}: {med:.2f} us"
+            )
+    sync(stream)
+    buf.close()
+    return out
+
+
+def _tagged_steps(args, sites) -> dict:
+    """The same N merged copies at 16 B each (a segment small enough to launch graphed),
+    warm, drained and cold, with the slot's completion tag (the flush records no event,
+    the ring queries none) and without it (``copier.TAGS`` off when the copier is made,
+    as ``CUCOPY_NO_TAG=1`` at import does).
+
+    Returns ``{"tags" or "events": _phases' cold medians}``."""
+    import torch
+
+    from cucopy import copier as copier_mod
+
+    plan = cc.CopyPlan(merge=set(sites))
+    dsts = [torch.zeros(4, dtype=torch.int32, device="cuda") for _ in sites]
+    srcs = [np.arange(4, dtype=np.int32) + i for i in range(len(sites))]
+    triples = list(zip(sites, dsts, srcs))
+    out = {}
+    for name, on in (("tags", True), ("events", False)):
+        saved = copier_mod.TAGS
+        copier_mod.TAGS = on
+        try:
+            c = cc.DeviceCopier(plan, stream=torch.cuda.Stream())
+        finally:
+            copier_mod.TAGS = saved
+        label = f"torch dst, numpy src, 16 B a copy, graphed, {name}"
+        _phases(args, label, c, triples, drained=True)
+        out[name] = _phases(args, label, c, triples, cold=True)
+        slot = c._ring.current
+        print(
+            f"  ({label}: modes {dict(c.stats.modes)}, slot tag {slot.tag}, "
+            f"event recorded {slot.recorded})"
+        )
+        c.close()
+    return out
+
+
+def _summary(args, cold: dict) -> None:
+    """The cold rows side by side, with the two targets' ratios."""
+    label, step = cold["step"]
+    chain = cold["chain"].get("cold")
+    launch = cold["launch"]
+    bf = step["begin"] + step["flush"]
+    print(f"cold step against its floors (N={args.n}, {label}; median us, cold caches):")
+    print(
+        f"  begin {step['begin']:.2f} + flush {step['flush']:.2f} = {bf:.2f}; whole step "
+        f"{step['whole']:.1f}; chained copy_ step {chain:.1f}"
+    )
+    for path in ("carried", "graphed"):
+        if (path, "cold") in launch:
+            print(
+                f"  one empty {path} launch through cucopy's launch path: warm "
+                f"{launch[path, 'warm']:.2f}, cold {launch[path, 'cold']:.2f}"
+            )
+    if ("capture query", "cold") in launch:
+        print(
+            f"  one capture query (begin and flush make one each): warm "
+            f"{launch['capture query', 'warm']:.2f}, cold {launch['capture query', 'cold']:.2f}"
+        )
+    for name, row in cold["tags"].items():
+        print(
+            f"  N={args.n} x 16 B graphed, {name}: begin {row['begin']:.2f} + flush "
+            f"{row['flush']:.2f} = {row['begin'] + row['flush']:.2f}; whole {row['whole']:.1f}"
+        )
+    if ("carried", "cold") in launch:
+        r = bf / launch["carried", "cold"]
+        print(f"  target: (begin + flush) / empty carried launch, cold = {r:.2f} (<= 1.2)")
+    if ("graphed", "cold") in launch:
+        r = bf / launch["graphed", "cold"]
+        print(f"          (begin + flush) / empty graphed launch, cold = {r:.2f}")
+    if chain:
+        r = step["whole"] / chain
+        print(f"  target: whole step / chained copy_ step, cold = {r:.3f} (<= 0.15)")
 
 
 def _flush_sizes(args) -> None:
@@ -244,11 +399,14 @@ def _positions(args, label, c, triples) -> None:
 COLD_BYTES = 64 << 20
 
 
-def _phases(args, label, c, triples, drained: bool = False, cold: bool = False) -> None:
+def _phases(args, label, c, triples, drained: bool = False, cold: bool = False) -> dict:
     """Median host us of begin(), the copies and flush(), steps back to back, or (``drained``)
     each issued after the stream has run everything before it, as the bench times steps,
     or (``cold``) drained and after :data:`COLD_BYTES` of other memory were written, as an
-    engine's step finds the caches after its own work (a fifth of the steps)."""
+    engine's step finds the caches after its own work (a fifth of the steps).
+
+    Returns the medians in us: ``begin``, ``copies`` (all of them), ``flush``, ``whole``
+    (their sum) and ``block`` (the step as a ``step()`` block)."""
     copy = c.copy
     sync = c._backend.synchronize
     stream = c._stream
@@ -298,6 +456,13 @@ def _phases(args, label, c, triples, drained: bool = False, cold: bool = False) 
         f"{whole:.1f} us = {whole / args.n:.2f} us/copy; as a step() block {med(tw) * us:.1f} us "
         f"= {med(tw) * us / args.n:.2f} us/copy"
     )
+    return {
+        "begin": med(tb) * us,
+        "copies": med(tc) * us,
+        "flush": med(tf) * us,
+        "whole": whole,
+        "block": med(tw) * us,
+    }
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ typedef struct {
     PyObject_HEAD
     char closed, in_step, capturing, stepping; /* _closed, _in_step, _capturing, _stepping */
     char guarded; /* _guarded: HostGuard events owed (their flush is the Python path's) */
+    char tags; /* _tags: a graphed launch writes its slot's completion tag (no event) */
     unsigned long long owner; /* _owner: the thread whose step is open (thread_id; 0: none) */
     long long cap_for, cap;   /* the slot size the table reservation is for, and it */
     long long carry_max;      /* the largest carried launch (0: none) */
@@ -40,6 +41,10 @@ typedef struct {
     PyObject *mode_str;       /* flush_mode as set (the interned literal) */
     PyObject *seg, *checker, *feed, *feed_pending, *ring, *slot, *tables, *stats;
     PyObject *cap_query, *cap_arg, *launcher, *handle;
+    /* launcher's CarriedLauncher, read once when _launcher is set (NULL: not a launcher
+     * capsule): PyCapsule_GetPointer compares the capsule's name each call, two lines of
+     * two modules' constants on a cold host */
+    CarriedLauncher *lp;
     long long fast_begins, fast_flushes;
     /* counts of stats' totals the fast paths took, not yet folded into stats (a
      * Python attribute += costs ~0.1 us a time): _take_counts() hands them over */
@@ -73,10 +78,7 @@ static PyTypeObject CopierCoreType;
  * holding borrowed pointers into the copier's state asks this way. */
 static int not_capturing(CopierCore *c, CarriedLauncher *L, int c_only) {
     if (!c->cap_query || c->cap_query == Py_None || !c->cap_arg) return 0;
-    if (c->handle == c->cap_arg && !L && c->launcher && PyCapsule_CheckExact(c->launcher)) {
-        L = PyCapsule_GetPointer(c->launcher, LAUNCHER_NAME);
-        if (!L) PyErr_Clear();
-    }
+    if (!L && c->launcher) L = c->lp;
     unsigned long long stream;
     if (L && c->handle == c->cap_arg && L->abi == LAUNCHER_ABI && L->capturing &&
         u64_field(c->handle, &stream)) {
@@ -205,9 +207,7 @@ static PyObject *copiercore_take_counts(CopierCore *c, PyObject *unused) {
 
 /* the copier's launcher (ABI checked), or NULL */
 static CarriedLauncher *core_launcher(CopierCore *c) {
-    if (!c->launcher || !PyCapsule_CheckExact(c->launcher)) return NULL;
-    CarriedLauncher *L = PyCapsule_GetPointer(c->launcher, LAUNCHER_NAME);
-    if (!L) PyErr_Clear();
+    CarriedLauncher *L = c->launcher ? c->lp : NULL; /* (read once: _launcher's setter) */
     return L && L->abi == LAUNCHER_ABI ? L : NULL;
 }
 
@@ -285,7 +285,7 @@ static PyObject *copiercore_flush_fast(CopierCore *c, PyObject *unused) {
         if (done) Py_RETURN_TRUE;
         Py_RETURN_FALSE;
     }
-    if (!c->launcher || !PyCapsule_CheckExact(c->launcher)) Py_RETURN_FALSE; /* (no C launch) */
+    if (!c->lp || !c->launcher) Py_RETURN_FALSE; /* (no C launch) */
     /* asked before any of the state read below is used: the query may be Python code
      * (then everything checked above is checked again, read afresh) */
     int idle = not_capturing(c, NULL, 0);
@@ -294,8 +294,7 @@ static PyObject *copiercore_flush_fast(CopierCore *c, PyObject *unused) {
     if (!core_usable(c, me) || !nstaged((Segment *)c->seg)) Py_RETURN_FALSE;
     seg = (Segment *)c->seg;
     ring = (RingCore *)c->ring;
-    if (!c->launcher || !PyCapsule_CheckExact(c->launcher) || !c->handle ||
-        !c->slot || !PyObject_TypeCheck(c->slot, &SlotCoreType))
+    if (!c->lp || !c->launcher || !c->handle || !c->slot || !is_slot(c->slot))
         Py_RETURN_FALSE;
     /* carried whole when it fits (inline, auto); else read mapped (mapped, auto) */
     int kind = c->mode;
@@ -305,7 +304,7 @@ static PyObject *copiercore_flush_fast(CopierCore *c, PyObject *unused) {
     if (!carries && !mapped_only) Py_RETURN_FALSE;
     SlotCore *slot = (SlotCore *)c->slot;
     if (!seg->bound || seg->slot != c->slot || !slot->base) Py_RETURN_FALSE;
-    CarriedLauncher *L = PyCapsule_GetPointer(c->launcher, LAUNCHER_NAME);
+    CarriedLauncher *L = c->lp;
     unsigned long long stream, dev;
     long long inline_max = c->carry_max;
     if (!L || !u64_field(c->handle, &stream) || !u64_field(slot->base, &dev)) {
@@ -331,11 +330,28 @@ static PyObject *copiercore_flush_fast(CopierCore *c, PyObject *unused) {
         total <= gcap && off + gcap <= (int64_t)seg->view.len && off + gcap <= seg->top) {
         /* _land's graphed launch (mapped, and auto: half a carried launch's host
          * time): its kernel reads gcap bytes at the segment when it runs, so the
-         * slot's next segment starts past them */
-        if (E->graphed(E->drv, stream, dev + (unsigned long long)off) != 0) goto cut;
+         * slot's next segment starts past them. The step's first reader of the slot
+         * is tagged (the slot's completion tag armed with the step, here): when it is
+         * also the last, the flush records no event and the next turn asks none */
+        long long step = -1;
+        int tag = c->tags && E->graphed_tag && slot->dirty == Py_False && slot->tag < 0 &&
+                  slot->tag_host && int_field(ring->acquires, &step) && step >= 0;
+        PyErr_Clear();
+        int rc;
+        if (tag) {
+            ((volatile uint64_t *)(uintptr_t)slot->tag_host)[0] = (uint64_t)step;
+            rc = E->graphed_tag(E->drv, stream, dev + (unsigned long long)off,
+                                dev + (unsigned long long)(long long)TAG_AT);
+        } else {
+            rc = E->graphed(E->drv, stream, dev + (unsigned long long)off);
+        }
+        if (rc != 0) goto cut;
         if (seg->cursor < off + gcap) seg->cursor = off + gcap;
         how = S->s_mapped;
-        Py_SETREF(slot->dirty, Py_NewRef(Py_True));
+        if (tag)
+            slot->tag = step;
+        else
+            Py_SETREF(slot->dirty, Py_NewRef(Py_True));
     } else if (carries && total <= inline_max) {
         if (launch_carried(seg, L, nblocks, stream, dev + (unsigned long long)off, total) != 0)
             goto cut;
@@ -494,7 +510,22 @@ done:
     return out;
 }
 
+static PyObject *copiercore_begin(CopierCore *c, PyObject *unused);
+static PyObject *copiercore_flush(CopierCore *c, PyObject *unused);
+
 static PyMethodDef copiercore_methods[] = {
+    {"begin", (PyCFunction)copiercore_begin, METH_NOARGS,
+     "begin($self, /)\n--\n\n"
+     "Start a step: advance the ring (waiting only if the next slot is in flight).\n\n"
+     "Anything still staged from the previous step is flushed first, and in check mode its "
+     "``unchanged`` claims are verified (the common step in C, the rest in ``_begin_body``).\n\n"
+     "Raises\n------\nCopyError\n    From that flush (nothing staged is lost), or a false "
+     "claim in check mode."},
+    {"flush", (PyCFunction)copiercore_flush, METH_NOARGS,
+     "flush($self, /)\n--\n\n"
+     "Barrier: land everything staged (one upload + one launch per open segment).\n\n"
+     "Also records the slot's event where one is owed. Does nothing while the stream is "
+     "capturing (the common case in C, the rest in ``_flush_rest``)."},
     {"_flush_fast", (PyCFunction)copiercore_flush_fast, METH_NOARGS,
      "flush()'s common case: True when done, False for flush()'s Python body, or the cut "
      "(seg, end, nblocks, n) of a segment it could not launch carried whole."},
@@ -513,13 +544,14 @@ static PyMemberDef copiercore_members[] = {
     TYPED("_closed", T_BOOL, closed) TYPED("_in_step", T_BOOL, in_step)
     TYPED("_capturing", T_BOOL, capturing) TYPED("_stepping", T_BOOL, stepping)
     TYPED("_guarded", T_BOOL, guarded)
+    TYPED("_tags", T_BOOL, tags)
     TYPED("_owner", T_ULONGLONG, owner) TYPED("_cap_for", T_LONGLONG, cap_for)
     TYPED("_cap", T_LONGLONG, cap) TYPED("_carry_max", T_LONGLONG, carry_max)
     TYPED("_mapped_max", T_LONGLONG, mapped_max) TYPED("_graph_cap", T_LONGLONG, graph_cap)
     MEMBER("_seg", seg) MEMBER("_checker", checker) MEMBER("_feed", feed)
     MEMBER("_feed_pending", feed_pending) MEMBER("_ring", ring) MEMBER("_slot", slot)
     MEMBER("_tables", tables) MEMBER("stats", stats) MEMBER("_cap_query", cap_query)
-    MEMBER("_cap_arg", cap_arg) MEMBER("_launcher", launcher) MEMBER("_handle", handle)
+    MEMBER("_cap_arg", cap_arg) MEMBER("_handle", handle)
     {"_fast_begins", T_LONGLONG, offsetof(CopierCore, fast_begins), READONLY,
      "Steps begun by _begin_fast."},
     {"_fast_flushes", T_LONGLONG, offsetof(CopierCore, fast_flushes), READONLY,
@@ -553,9 +585,35 @@ static int copiercore_set_flush_mode(CopierCore *c, PyObject *v, void *unused) {
     return 0;
 }
 
+static PyObject *copiercore_get_launcher(CopierCore *c, void *unused) {
+    if (!c->launcher) {
+        PyErr_SetString(PyExc_AttributeError, "_launcher");
+        return NULL;
+    }
+    return Py_NewRef(c->launcher);
+}
+
+/* the launcher capsule (or None), and its struct, read here once */
+static int copiercore_set_launcher(CopierCore *c, PyObject *v, void *unused) {
+    if (!v) {
+        PyErr_SetString(PyExc_AttributeError, "_launcher cannot be deleted");
+        return -1;
+    }
+    CarriedLauncher *L = NULL;
+    if (PyCapsule_CheckExact(v)) {
+        L = PyCapsule_GetPointer(v, LAUNCHER_NAME);
+        if (!L) PyErr_Clear();
+    }
+    Py_XSETREF(c->launcher, Py_NewRef(v));
+    c->lp = L;
+    return 0;
+}
+
 static PyGetSetDef copiercore_getset[] = {
     {"flush_mode", (getter)copiercore_get_flush_mode, (setter)copiercore_set_flush_mode,
      "How a segment lands: 'dma', 'mapped', 'inline' or 'auto'.", NULL},
+    {"_launcher", (getter)copiercore_get_launcher, (setter)copiercore_set_launcher,
+     "The compiled launcher (a capsule from the backend's carried_launcher()), or None.", NULL},
     {NULL},
 };
 
@@ -635,12 +693,10 @@ static PyObject *mod_context_id(PyObject *m, PyObject *unused) {
     return ctx ? PyLong_FromVoidPtr(ctx) : NULL;
 }
 
-/* flush() of copier c: DeviceCopier.flush's body with its _flush_fast called from here
- * (one Python frame less a step), or the copier's own flush() when a subclass has one */
-static PyObject *step_flush(CopierCore *c) {
+/* DeviceCopier.flush: _flush_fast, then _flush_failed on an error or _flush_rest when it
+ * did not land the step; True (a new reference) when _flush_fast did */
+static PyObject *flush_body(CopierCore *c) {
     PyObject *o = (PyObject *)c;
-    if (!(c->plain & PLAIN_FLUSH))
-        return PyObject_CallMethodNoArgs(o, S->s_flush);
     PyObject *done = copiercore_flush_fast(c, NULL);
     if (!done) {
         /* flush(): except BaseException as exc: self._flush_failed(exc) (raises) */
@@ -663,6 +719,32 @@ static PyObject *step_flush(CopierCore *c) {
     PyObject *r = PyObject_CallMethodOneArg(o, S->s_flush_rest, done);
     Py_DECREF(done);
     return r;
+}
+
+/* flush() of copier c: its body from here (no Python frame a step), or the copier's
+ * own flush() when a subclass has one */
+static PyObject *step_flush(CopierCore *c) {
+    if (!(c->plain & PLAIN_FLUSH)) return PyObject_CallMethodNoArgs((PyObject *)c, S->s_flush);
+    return flush_body(c);
+}
+
+/* DeviceCopier.begin and .flush themselves (cucopy.copier leaves them to these when the
+ * core is compiled): a call of either runs no Python frame in the common step, which on
+ * a cold host's first call into cucopy after an engine's own work saved ~50 cache lines
+ * of the interpreter's code and data (bench/probes/cold_lines.py) */
+static PyObject *copiercore_begin(CopierCore *c, PyObject *unused) {
+    PyObject *r = copiercore_begin_fast(c, NULL);
+    if (!r) return NULL;
+    Py_DECREF(r);
+    if (r == Py_True) Py_RETURN_NONE;
+    return PyObject_CallMethodNoArgs((PyObject *)c, S->s_begin_body);
+}
+
+static PyObject *copiercore_flush(CopierCore *c, PyObject *unused) {
+    PyObject *r = flush_body(c);
+    if (!r) return NULL;
+    Py_DECREF(r);
+    Py_RETURN_NONE;
 }
 
 static PyObject *stepcore_enter(StepCore *st, PyObject *unused) {

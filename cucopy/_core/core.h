@@ -33,6 +33,9 @@
 #define MAXDIM 16 /* dimensions of a shape the fast path compares */
 _Static_assert(sizeof(Py_ssize_t) == sizeof(int64_t), "shapes are compared as int64_t");
 #define MAX_FIELD 0xFFFFFFFFLL /* pack.MAX_FIELD: a descriptor's 32-bit fields */
+/* pack.TAG_AT: a slot's completion tag, from its first byte (tests/test_cudacall.py
+ * checks the compiled flush's tagged launches against pack.TAG_AT) */
+#define TAG_AT (-64)
 
 enum { MISS = 0, STAGED = 1, BARRIER = 2, FULL = -1, ORDER = -2 };
 
@@ -74,12 +77,13 @@ typedef struct CoreState {
         *s_viewkw, *s_key, *s_exact, *s_data, *s_owned, *s_invalidate, *s_backend,
         *s_event_query, *s_inline, *s_mapped, *s_auto, *s_dma, *s_enter,
         *s_exit, *s_flush, *s_begin, *s_flush_failed, *s_flush_rest, *s_backend_attr,
-        *s_copy2d, *s_stream_attr;
+        *s_copy2d, *s_stream_attr, *s_begin_body;
     PyObject *ndarray_type; /* numpy.ndarray */
     PyObject *uint8_descr;  /* numpy.dtype("uint8") */
     PyObject *plain_begin;  /* DeviceCopier.begin (StepCore._plain_begin) */
     PyObject *plain_flush;  /* DeviceCopier.flush (StepCore._plain_flush) */
     PyObject *known_core;   /* the copier class core_seg last saw (copier.c) */
+    PyObject *known_slot;   /* the slot class is_slot last saw (segment.c) */
     struct Native *natives; /* the native getters fingerprints declared (foreign.c) */
     int nnatives;
     PyObject **entry_pool; /* cleared Entry objects kept for the next steps (segment.c) */

@@ -32,7 +32,7 @@ static const struct {
     NAME(s_auto, "auto") NAME(s_dma, "dma") NAME(s_enter, "_enter") NAME(s_exit, "_exit")
     NAME(s_flush, "flush") NAME(s_begin, "begin") NAME(s_flush_failed, "_flush_failed")
     NAME(s_flush_rest, "_flush_rest") NAME(s_backend_attr, "_backend")
-    NAME(s_copy2d, "copy2d") NAME(s_stream_attr, "_stream")
+    NAME(s_copy2d, "copy2d") NAME(s_stream_attr, "_stream") NAME(s_begin_body, "_begin_body")
 };
 #undef NAME
 #define NAMED(st, i) ((PyObject **)((char *)(st) + names[i].off))
@@ -45,7 +45,7 @@ static int state_refs(CoreState *st, visitproc visit, void *arg) {
         else Py_CLEAR(*NAMED(st, i));
     }
     PyObject **objs[] = {&st->ndarray_type, &st->uint8_descr, &st->plain_begin, &st->plain_flush,
-                        &st->known_core};
+                        &st->known_core, &st->known_slot};
     for (size_t i = 0; i < sizeof objs / sizeof objs[0]; i++) {
         if (visit) Py_VISIT(*objs[i]);
         else Py_CLEAR(*objs[i]);
@@ -120,6 +120,8 @@ static int module_exec(PyObject *m) {
     Py_DECREF(np);
     if (!st->uint8_descr) return -1;
     StepCoreType.tp_init = (initproc)stepcore_init;
+    SlotCoreType.tp_new = slotcore_new;
+    SlotCoreType.tp_getset = slotcore_getset;
     CopierCoreType.tp_new = copiercore_new;
     CopierCoreType.tp_getset = copiercore_getset;
     ActivationType.tp_init = (initproc)activation_init;

@@ -141,25 +141,51 @@ static PyTypeObject WindowMaxType = {
  * stays in the Python classes. ``RingCore.advance_fast`` is the common step of
  * ``DeviceCopier._advance`` with ``StagingRing.acquire`` in one call: the previous
  * slot left clean (its event recorded at the flush, or none needed), the next one
- * idle (not recorded, or its event complete; no temporaries), sized for the demand
- * the ring last sized for. It checks all of that
+ * idle (its tag, if armed, arrived; not recorded, or its event complete; no
+ * temporaries), sized for the demand the ring last sized for. It checks all of that
  * before changing anything, and returns None when any of it fails: the Python path
  * then runs, whole. On the GPU's host the two Python frames cost ~1.5 us a step,
  * several times that when an engine's own work has left the caches cold. */
 
-typedef struct {
-    PyObject_HEAD
-    /* Python objects, as a ``__slots__`` class holds them: the Python code that reads
-     * and writes these fields on every other path keeps its specialized attribute
-     * access (a C integer member would build an int at every read) */
-    PyObject *size, *bottom, *top, *recorded, *dirty, *temps, *frees;
-    PyObject *base; /* the pinned buffer's device address (what a launch reads it at) */
-    long long stamp; /* the ring's acquires when its event was last recorded (-1: never) */
-} SlotCore;
+static PyObject *slotcore_new(PyTypeObject *tp, PyObject *args, PyObject *kw) {
+    SlotCore *s = (SlotCore *)PyType_GenericNew(tp, args, kw);
+    if (s) s->tag = -1;
+    return (PyObject *)s;
+}
 
 
-#define SLOT_FIELDS(X) X(size) X(bottom) X(top) X(recorded) X(dirty) X(temps) X(frees) X(base)
-GC_FIELDS(slotcore, SlotCore, SLOT_FIELDS)
+#define SLOT_FIELDS(X) X(size) X(bottom) X(top) X(recorded) X(dirty) X(temps) X(frees) X(base) \
+    X(array)
+static int slotcore_traverse(SlotCore *o, visitproc visit, void *arg) {
+    SLOT_FIELDS(VISIT_FIELD)
+    return 0;
+}
+static int slotcore_clear(SlotCore *o) {
+    slot_unexport(o);
+    SLOT_FIELDS(CLEAR_FIELD)
+    return 0;
+}
+
+static PyObject *slotcore_get_array(SlotCore *s, void *unused) {
+    return Py_NewRef(s->array ? s->array : Py_None);
+}
+
+/* a new array (None when the slot closes) ends the export of the old one */
+static int slotcore_set_array(SlotCore *s, PyObject *v, void *unused) {
+    if (!v) {
+        PyErr_SetString(PyExc_AttributeError, "array cannot be deleted");
+        return -1;
+    }
+    if (v != s->array) slot_unexport(s);
+    Py_XSETREF(s->array, Py_NewRef(v));
+    return 0;
+}
+
+static PyGetSetDef slotcore_getset[] = {
+    {"array", (getter)slotcore_get_array, (setter)slotcore_set_array,
+     "The pinned buffer's bytes (a uint8 array; None once closed).", NULL},
+    {NULL},
+};
 
 
 static PyMemberDef slotcore_members[] = {
@@ -173,6 +199,12 @@ static PyMemberDef slotcore_members[] = {
     {"base", T_OBJECT_EX, offsetof(SlotCore, base), 0, "The pinned buffer's device address."},
     {"stamp", T_LONGLONG, offsetof(SlotCore, stamp), 0,
      "The ring's acquires when its event was last recorded (-1: never)."},
+    {"tag", T_LONGLONG, offsetof(SlotCore, tag), 0,
+     "The step its completion tag was armed with for a launch still owed (-1: none)."},
+    {"tag_host", T_ULONGLONG, offsetof(SlotCore, tag_host), 0,
+     "Its completion tag's host address (0: none)."},
+    {"headroom", T_PYSSIZET, offsetof(SlotCore, headroom), 0,
+     "Bytes allocated before the slot's first byte that no segment uses."},
     {NULL},
 };
 
@@ -325,6 +357,9 @@ static int ring_advance(RingCore *r, PyObject *segobj, PyObject *tablesobj, long
     }
     int64_t used = want + pbottom + psize - ptop;
     if (wm_peek(demand, used) != peak || size < target || size > 2 * target) return 0;
+    /* its tagged launch's tag first (a load of host memory, StagingRing._idle): not yet
+     * arrived, and the Python path waits for it; nothing is changed */
+    if (slot_tag_done(slot) != 1) return 0;
     long long certified = r->certified, probe = r->probe;
     if (slot->recorded == Py_True && !(slot->stamp >= 0 && slot->stamp <= certified)) {
         /* its step's work recorded an event: idle once that completed (StagingRing._idle:
@@ -366,7 +401,8 @@ static int ring_advance(RingCore *r, PyObject *segobj, PyObject *tablesobj, long
         int same = r->slots && PyList_CheckExact(r->slots) && PyList_GET_SIZE(r->slots) == n &&
                    PyList_GET_ITEM(r->slots, index) == slotobj && r->current == (PyObject *)prev &&
                    r->demand == (PyObject *)demand && slot->recorded == Py_True &&
-                   slot->dirty != NULL && empty_list(slot->temps) && empty_list(slot->frees);
+                   slot->dirty != NULL && empty_list(slot->temps) && empty_list(slot->frees) &&
+                   slot_tag_done(slot) == 1;
         Py_DECREF(slotobj); /* the ring's list holds it */
         if (!same) {
             PyErr_Clear();
@@ -392,6 +428,7 @@ static int ring_advance(RingCore *r, PyObject *segobj, PyObject *tablesobj, long
     Py_SETREF(slot->top, Py_NewRef(slot->size));
     Py_SETREF(slot->recorded, Py_NewRef(Py_False));
     Py_SETREF(slot->dirty, Py_NewRef(Py_False));
+    slot->tag = -1;
     Py_SETREF(r->current, Py_NewRef(slotobj));
     /* DeviceCopier._advance: bind, then the table reservation */
     PyObject *b = seg_bind(seg, slotobj);

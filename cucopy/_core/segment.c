@@ -116,6 +116,96 @@ typedef struct {
 
 /* -- Segment ---------------------------------------------------------------------- */
 
+/* -- SlotCore's fields ------------------------------------------------------------
+ *
+ * A ring slot's per-step fields (``cucopy.ring.Slot`` subclasses the type; ring.c
+ * defines its members and the ring's step). Here because a Segment binds a slot: it
+ * borrows the slot's export of its bytes and reads and writes its sizes directly,
+ * where attribute look-ups and a fresh buffer export each step touched ~70 cache lines
+ * more of a cold host's memory (bench/probes/cold_lines.py). */
+
+typedef struct {
+    PyObject_HEAD
+    /* Python objects, as a ``__slots__`` class holds them: the Python code that reads
+     * and writes these fields on every other path keeps its specialized attribute
+     * access (a C integer member would build an int at every read) */
+    PyObject *size, *bottom, *top, *recorded, *dirty, *temps, *frees;
+    PyObject *base; /* the pinned buffer's device address (what a launch reads it at) */
+    long long stamp; /* the ring's acquires when its event was last recorded (-1: never) */
+    /* the step a tagged launch armed the slot's completion tag with (-1: none since the
+     * slot was acquired), and the tag's host address (pack.TAG_AT; 0: none, or freed):
+     * the slot is in flight until the tag's second word says that step (ring.Slot) */
+    long long tag;
+    unsigned long long tag_host;
+    /* the pinned bytes (ring.Slot's array; None once closed), the bytes before them no
+     * segment uses, and the export a Segment binds to, made at the slot's first bind
+     * and kept while array is that object (see seg_bind) */
+    PyObject *array;
+    Py_ssize_t headroom;
+    Py_buffer view;
+    int exported;
+} SlotCore;
+
+static PyTypeObject SlotCoreType; /* (ring.c: its members, and the ring's use of it) */
+
+static void slot_unexport(SlotCore *s) {
+    if (s->exported) {
+        s->exported = 0;
+        PyBuffer_Release(&s->view);
+    }
+}
+
+/* the slot's bytes exported (its array, once): 0, or -1 with an exception set (a
+ * closed slot's array is None) */
+static int slot_export(SlotCore *s) {
+    if (s->exported && s->view.obj == s->array) return 0;
+    slot_unexport(s);
+    if (!s->array) {
+        PyErr_SetString(PyExc_TypeError, "bind: the slot has no array");
+        return -1;
+    }
+    if (PyObject_GetBuffer(s->array, &s->view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
+        return -1;
+    s->exported = 1;
+    return 0;
+}
+
+/* whether o is a SlotCore (ring.Slot: its subclass, remembered once seen) */
+static int is_slot(PyObject *o) {
+    PyTypeObject *tp = Py_TYPE(o);
+    if (tp == (PyTypeObject *)S->known_slot || tp == &SlotCoreType) return 1;
+    if (!PyType_IsSubtype(tp, &SlotCoreType)) return 0;
+    Py_XSETREF(S->known_slot, Py_NewRef((PyObject *)tp));
+    return 1;
+}
+
+/* slot.<name> = v (name: top or bottom): a SlotCore's field directly, else setattr */
+static int slot_set(PyObject *slot, PyObject *name, PyObject *v) {
+    if (is_slot(slot) && (name == S->s_top || name == S->s_bottom)) {
+        SlotCore *sc = (SlotCore *)slot;
+        Py_XSETREF(*(name == S->s_top ? &sc->top : &sc->bottom), Py_NewRef(v));
+        return 0;
+    }
+    return PyObject_SetAttr(slot, name, v);
+}
+
+/* whether slot s's completion tag, if armed, has arrived: 1 yes (or none armed), 0 not
+ * yet, -1 armed but unreadable (the Python path decides). A load of host memory that
+ * the device writes, with acquire order: the slot's bytes are rewritten only after it
+ * (x86 keeps that order anyway; a weakly ordered host, an Arm one, would not). */
+static inline int slot_tag_done(const SlotCore *s) {
+    if (s->tag < 0) return 1;
+    if (!s->tag_host) return -1;
+    const uint64_t *at = (const uint64_t *)(uintptr_t)s->tag_host + 1;
+#if defined(__GNUC__) || defined(__clang__)
+    uint64_t done = __atomic_load_n(at, __ATOMIC_ACQUIRE);
+#else
+    uint64_t done = *(const volatile uint64_t *)at;
+#endif
+    return done >= (uint64_t)s->tag;
+}
+
+
 typedef struct {
     PyObject_HEAD
     PyObject *merge, *barriers, *fills;
@@ -126,10 +216,12 @@ typedef struct {
                             * | SITE_EAGER */
     Py_ssize_t ccap, cused;
     PyObject *slot;
-    Py_buffer view; /* the slot's pinned bytes, held while bound */
+    /* the slot's pinned bytes while bound: the Segment's own export, or (borrowed) a
+     * SlotCore's, which the slot (held in slot) keeps */
+    Py_buffer view;
+    int bound, borrowed;
     addr_t pinned_ptr; /* the bound slot's pinned.ptr (the eager copy's source), 0: not read */
     PyObject *site_type, *h2d; /* set_eager(CopySite, H2D): which sites copy eagerly in C */
-    int bound;
     int fast, wide;
     int64_t headroom; /* free bytes the bound slot has before its first byte (slot.headroom) */
     int64_t open_lo;  /* the first free byte when the open segment was opened */
@@ -225,9 +317,10 @@ static int seg_traverse(Segment *s, visitproc visit, void *arg) {
 
 static void seg_release(Segment *s) {
     if (s->bound) {
-        PyBuffer_Release(&s->view);
-        s->bound = 0;
+        if (!s->borrowed) PyBuffer_Release(&s->view);
+        s->bound = s->borrowed = 0;
     }
+    s->pinned_ptr = 0; /* (the next slot's is read at its first eager copy) */
     Py_CLEAR(s->slot);
 }
 
@@ -352,14 +445,54 @@ static int contains(PyObject *set, PyObject *key) {
 static int site_flags(Segment *s, PyObject *site);
 
 
+/* bind a SlotCore: its export (made once) borrowed, its sizes read from its fields */
+static PyObject *seg_bind_slot(Segment *s, SlotCore *sc) {
+    if (slot_export(sc) < 0) {
+        seg_release(s);
+        return NULL;
+    }
+    if (!s->bound || (PyObject *)sc != s->slot || !s->borrowed || s->view.buf != sc->view.buf ||
+        s->view.len != sc->view.len) {
+        seg_release(s);
+        s->view.buf = sc->view.buf;
+        s->view.len = sc->view.len;
+        s->view.obj = NULL; /* (the slot's export holds the array) */
+        s->bound = s->borrowed = 1;
+        s->slot = Py_NewRef((PyObject *)sc);
+        s->size = s->view.len;
+        s->headroom = sc->headroom > 0 ? sc->headroom : 0;
+    }
+    long long top = PyLong_AsLongLong(sc->top), bottom = PyLong_AsLongLong(sc->bottom);
+    if ((top == -1 || bottom == -1) && PyErr_Occurred()) {
+        seg_release(s);
+        return NULL;
+    }
+    s->top = top;
+    s->bottom = bottom;
+    return Py_None; /* (not a new reference: seg_bind returns its own) */
+}
+
+/* the bound slot's sizes clamped to its bytes (a slot whose top claims more is not
+ * trusted); the segment starts empty */
+static PyObject *seg_bound(Segment *s) {
+    if (s->top > s->size) s->top = s->size;
+    if (s->top < 0) s->top = 0;
+    if (s->bottom > s->top) s->bottom = s->top;
+    if (s->bottom < 0) s->bottom = 0;
+    s->cursor = 0;
+    s->seg = -1;
+    Py_RETURN_NONE;
+}
+
 static PyObject *seg_bind(Segment *s, PyObject *slot) {
+    if (is_slot(slot)) return seg_bind_slot(s, (SlotCore *)slot) ? seg_bound(s) : NULL;
     PyObject *arr = PyObject_GetAttr(slot, S->s_array);
     if (!arr) { seg_release(s); return NULL; }
     /* The export (~0.05 us) is kept for the slot bound last: binding that slot
      * again (a ring of one slot, a re-bind) reuses it; the next slot of a rotating
      * ring is exported afresh. A slot the ring replaced is another object, and a
      * closed slot's array is None: both are exported afresh (or fail). */
-    if (!s->bound || slot != s->slot || arr != s->view.obj) {
+    if (!s->bound || slot != s->slot || s->borrowed || arr != s->view.obj) {
         seg_release(s);
         int r = PyObject_GetBuffer(arr, &s->view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS);
         if (r < 0) { Py_DECREF(arr); return NULL; }
@@ -386,14 +519,7 @@ static PyObject *seg_bind(Segment *s, PyObject *slot) {
     Py_DECREF(top);
     Py_DECREF(bottom);
     if (PyErr_Occurred()) { seg_release(s); return NULL; }
-    /* clamped to the exported bytes: a slot whose top claims more is not trusted */
-    if (s->top > s->size) s->top = s->size;
-    if (s->top < 0) s->top = 0;
-    if (s->bottom > s->top) s->bottom = s->top;
-    if (s->bottom < 0) s->bottom = 0;
-    s->cursor = 0;
-    s->seg = -1;
-    Py_RETURN_NONE;
+    return seg_bound(s);
 }
 
 static PyObject *seg_unbind(Segment *s, PyObject *unused) {
@@ -431,7 +557,7 @@ static PyObject *seg_take_top(Segment *s, PyObject *arg) {
     int64_t tail = nstaged(s) ? reserve_tail(s) : 0;
     if (top >= max64(s->cursor, s->bottom) + tail) {
         PyObject *v = PyLong_FromLongLong(top);
-        if (!v || PyObject_SetAttr(s->slot, S->s_top, v) < 0) { Py_XDECREF(v); return NULL; }
+        if (!v || slot_set(s->slot, S->s_top, v) < 0) { Py_XDECREF(v); return NULL; }
         s->top = top;
         return v;
     }

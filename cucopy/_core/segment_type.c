@@ -169,7 +169,7 @@ static PyObject *seg_finish(Segment *s, PyObject *unused) {
     s->bottom = s->cursor;
     if (s->slot) {
         PyObject *v = PyLong_FromLongLong(s->bottom);
-        if (!v || PyObject_SetAttr(s->slot, S->s_bottom, v) < 0) { Py_XDECREF(v); return NULL; }
+        if (!v || slot_set(s->slot, S->s_bottom, v) < 0) { Py_XDECREF(v); return NULL; }
         Py_DECREF(v);
     }
     PyObject *entries = s->entries;

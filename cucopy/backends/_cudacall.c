@@ -88,11 +88,15 @@ typedef int (*graph_launch_fn)(void *exec, void *stream);
 typedef int (*graph_destroy_fn)(void *graph);
 typedef int (*graph_exec_destroy_fn)(void *exec);
 
-/* graphs a Driver makes at most (one per segment address: a ring's slots, usually
- * offset 0 of each, so a few per copier); when full, graphed() launches nothing */
+/* graphs a Driver makes at most (one per segment address and tag: a ring's slots,
+ * usually offset 0 of each, so a few per copier); when full, graphed() launches nothing */
 #define MAX_GRAPHS 64
+/* the graphs by a hash of (seg, cell): twice MAX_GRAPHS buckets, so a lookup probes a
+ * bucket or two and touches two cache lines (a scan of the table touched up to 24: a
+ * ring's slots come round in turn, so a remembered last graph never matched) */
+#define GRAPH_BUCKETS 128
 typedef struct {
-    unsigned long long seg;
+    unsigned long long seg, cell; /* the kernel's two arguments (cell 0: no tag) */
     void *exec;
 } Graph;
 
@@ -136,7 +140,8 @@ typedef struct {
     graph_exec_destroy_fn graph_exec_destroy;
     void *whole;      /* cucopy_scatter_w8k */
     size_t graph_cap; /* the bytes it reads at its segment (0: no graphs) */
-    int ngraphs, last;
+    int ngraphs;
+    unsigned char bucket[GRAPH_BUCKETS]; /* index + 1 of a graph hashed there (0: empty) */
     Graph graphs[MAX_GRAPHS];
 } Driver;
 
@@ -169,7 +174,8 @@ static int Driver_init(Driver *self, PyObject *args, PyObject *kw) {
     self->graph_launch = NULL;
     self->whole = NULL;
     self->graph_cap = 0;
-    self->ngraphs = self->last = 0;
+    self->ngraphs = 0;
+    memset(self->bucket, 0, sizeof self->bucket);
     return 0;
 }
 
@@ -304,49 +310,58 @@ static PyObject *Driver_graphs(Driver *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* the executable graph for segment address seg, made now when there is none: 0 and
- * *exec set, a CUresult when making it failed, or -1 when the table is full */
-static int graph_for(Driver *self, unsigned long long seg, void **exec) {
-    if (self->last < self->ngraphs && self->graphs[self->last].seg == seg) {
-        *exec = self->graphs[self->last].exec;
-        return 0;
-    }
-    for (int i = 0; i < self->ngraphs; i++)
-        if (self->graphs[i].seg == seg) {
-            self->last = i;
+/* the executable graph for segment address seg and tag cell (0: none), made now when
+ * there is none: 0 and *exec set, a CUresult when making it failed, or -1 when the
+ * table is full */
+static int graph_for(Driver *self, unsigned long long seg, unsigned long long cell, void **exec) {
+    unsigned long long h = (seg ^ (cell * 0x9E3779B97F4A7C15ULL)) * 0xFF51AFD7ED558CCDULL;
+    unsigned b = (unsigned)(h >> 57) & (GRAPH_BUCKETS - 1);
+    for (;; b = (b + 1) & (GRAPH_BUCKETS - 1)) { /* (never full: an empty bucket ends it) */
+        int i = self->bucket[b] - 1;
+        if (i < 0) break;
+        if (self->graphs[i].seg == seg && self->graphs[i].cell == cell) {
             *exec = self->graphs[i].exec;
             return 0;
         }
+    }
     if (self->ngraphs == MAX_GRAPHS) return -1;
     void *graph = NULL, *node = NULL, *made = NULL;
     int rc = self->graph_create(&graph, 0);
     if (rc) return rc;
-    unsigned long long arg = seg; /* copied into the node when it is added */
-    void *params[1] = {&arg};
+    unsigned long long arg = seg, tag = cell; /* copied into the node when it is added */
+    void *params[2] = {&arg, &tag};
     KernelNodeParams np = {self->whole, 1, 1, 1, self->threads, 1, 1, 0, params, NULL, NULL,
                            NULL};
     rc = self->graph_add_kernel(&node, graph, NULL, 0, &np);
     if (!rc) rc = self->graph_instantiate(&made, graph, 0);
     self->graph_destroy(graph); /* the executable keeps what it needs */
     if (rc) return rc;
-    self->graphs[self->ngraphs] = (Graph){seg, made};
-    self->last = self->ngraphs++;
+    self->graphs[self->ngraphs] = (Graph){seg, cell, made};
+    self->bucket[b] = (unsigned char)++self->ngraphs; /* the empty bucket the probe ended at */
     *exec = made;
     return 0;
 }
 
-/* graphed(stream, seg) -> CUresult of cuGraphLaunch of seg's graph (or of making it),
- * -1 before graphs() or with the table full, OTHER_CONTEXT when another context is
- * current */
-static int graphed_impl(void *drv, unsigned long long stream, unsigned long long seg) {
+/* graphed_tag(stream, seg, cell) -> CUresult of cuGraphLaunch of the graph of seg and
+ * cell (or of making it), -1 before graphs() or with the table full, OTHER_CONTEXT
+ * when another context is current. With cell (the device address of a slot's
+ * completion tag, pack.TAG_AT) the kernel copies cell[0] to cell[1] once its reads of
+ * the segment are done: no event need follow it. */
+static int graphed_tag_impl(void *drv, unsigned long long stream, unsigned long long seg,
+                            unsigned long long cell) {
     Driver *self = (Driver *)drv;
     if (!self->graph_launch || !self->whole || !self->threads) return -1;
     if (!same_context(self)) return OTHER_CONTEXT;
     void *exec = NULL;
-    int rc = graph_for(self, seg, &exec);
+    int rc = graph_for(self, seg, cell, &exec);
     if (rc) return rc;
     /* the GIL is held throughout (see the top of this file) */
     return self->graph_launch(exec, (void *)(uintptr_t)stream);
+}
+
+/* graphed(stream, seg): graphed_tag with no tag (its slot's event must follow it) */
+static int graphed_impl(void *drv, unsigned long long stream, unsigned long long seg) {
+    return graphed_tag_impl(drv, stream, seg, 0);
 }
 
 /* the n unsigned integer arguments of a call into v; -1 (an exception set) when
@@ -513,9 +528,10 @@ static PyObject *Driver_event_record(Driver *self, PyObject *const *args, Py_ssi
 }
 
 static PyObject *Driver_graphed(Driver *self, PyObject *const *args, Py_ssize_t nargs) {
-    unsigned long long v[2];
-    if (ull_args(args, nargs, 2, v, "graphed(stream, seg)") < 0) return NULL;
-    return PyLong_FromLong(graphed_impl(self, v[0], v[1]));
+    unsigned long long v[3] = {0, 0, 0};
+    if (ull_args(args, nargs, nargs == 3 ? 3 : 2, v, "graphed(stream, seg[, cell])") < 0)
+        return NULL;
+    return PyLong_FromLong(graphed_tag_impl(self, v[0], v[1], v[2]));
 }
 
 static PyObject *Driver_graph_count(Driver *self, void *unused) {
@@ -588,6 +604,7 @@ static PyObject *Driver_launcher(Driver *self, PyObject *Py_UNUSED(unused)) {
     self->launcher.capturing = capturing_impl;
     self->launcher.copy = copy_impl;
     self->launcher.graph_cap = self->graph_cap;
+    self->launcher.graphed_tag = graphed_tag_impl;
     PyObject *cap = PyCapsule_New(&self->launcher, LAUNCHER_NAME, launcher_free);
     if (!cap) return NULL;
     if (PyCapsule_SetContext(cap, Py_NewRef(self)) < 0) {
@@ -637,7 +654,9 @@ static PyMethodDef Driver_methods[] = {
      "graphs(create, add_kernel_node, instantiate, launch, destroy, exec_destroy, kernel, "
      "cap): the graph entry points and the whole-segment kernel."},
     {"graphed", (PyCFunction)(void (*)(void))Driver_graphed, METH_FASTCALL,
-     "graphed(stream, seg) -> CUresult of launching seg's one-node graph; -1: none launched."},
+     "graphed(stream, seg[, cell]) -> CUresult of launching the one-node graph of seg (and "
+     "of the completion tag at cell: its kernel copies cell[0] to cell[1] when done); -1: "
+     "none launched."},
     {"event_query", (PyCFunction)(void (*)(void))Driver_event_query, METH_FASTCALL,
      "event_query(event) -> CUresult of cuEventQuery (0, 600: not ready); -1 before events()."},
     {"event_wait", (PyCFunction)(void (*)(void))Driver_event_wait, METH_FASTCALL,

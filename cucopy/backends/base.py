@@ -384,13 +384,52 @@ class Backend:
         """
         return 0
 
-    def scatter_graphed(self, segment_ptr: int, nblocks: int, stream) -> None:
+    def scatter_graphed(self, segment_ptr: int, nblocks: int, stream, cell: int = 0) -> bool:
         """Enqueue the scatter of the segment at ``segment_ptr`` (mapped pinned memory) as
         a graphed launch, which reads :meth:`graph_capacity` bytes there when it runs.
 
         ``nblocks`` is the segment's, for a backend that launches it another way.
+
+        ``cell``: the device address of a completion tag (``pack.TAG_BYTES`` of mapped
+        pinned memory, a ring slot's, ``pack.TAG_AT``), or 0 for none. With one, the
+        kernel's last act, once its reads of the segment are done, is to copy the tag's
+        first u64 (what the host armed it with) to its second: what the host reads
+        instead of an event (see :meth:`tag_wait`).
+
+        Returns
+        -------
+        bool
+            True when the launch will write the tag: ``cell`` was given and the segment
+            was launched as a tagged graph. False when no tag will be written (no
+            ``cell``, or the backend launched the segment another way): an event must
+            follow the launch.
         """
         raise NotImplementedError
+
+    def tag_wait(self, cell, want: int, stream, timeout: float) -> bool:
+        """Block until the completion tag ``cell`` says ``want`` (or later), or ``timeout``
+        seconds pass.
+
+        Polls the tag's second word (host memory: no driver call) and sleeps between
+        reads as :meth:`event_wait` does (:func:`cucopy.deadline.poll`).
+
+        Parameters
+        ----------
+        cell : numpy.ndarray
+            The tag as two ``uint64`` words of pinned host memory (``Slot.cell``).
+        want : int
+            The step the host armed the tag with before the launch it waits for.
+        stream : object
+            The stream the launch was enqueued on (the simulated device runs it).
+        timeout : float
+            Seconds (``math.inf``: no bound).
+
+        Returns
+        -------
+        bool
+            True when the tag arrived, False when the deadline passed first.
+        """
+        return poll(lambda c: int(c[1]) >= want, cell, timeout)
 
     def carried_launcher(self):
         """The carried scatter launch as a compiled function, or None.

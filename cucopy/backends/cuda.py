@@ -772,12 +772,13 @@ class CudaBackend(Backend):
         fast = self._bound
         return 0 if fast is None else fast.graph_cap
 
-    def scatter_graphed(self, segment_ptr: int, nblocks: int, stream) -> None:
-        """Launch the one-node graph made for ``segment_ptr`` (made at its first use).
+    def scatter_graphed(self, segment_ptr: int, nblocks: int, stream, cell: int = 0) -> bool:
+        """Launch the one-node graph made for ``segment_ptr`` and ``cell`` (made at its
+        first use): with ``cell``, its kernel writes the completion tag there when done.
 
         Where no graph launches (another device current, the table of graphs full, no
         graphs), the segment is launched as an uncarried mapped scatter instead, which
-        reads the same bytes when it runs.
+        reads the same bytes when it runs and writes no tag (False returned).
 
         Raises
         ------
@@ -785,9 +786,14 @@ class CudaBackend(Backend):
             If the driver refused to make or launch the graph.
         """
         fast = self._bound
-        rc = fast.graphed(stream, segment_ptr) if fast is not None else -1
+        if fast is None:
+            rc = -1
+        elif cell:
+            rc = fast.graphed(stream, segment_ptr, cell)
+        else:
+            rc = fast.graphed(stream, segment_ptr)
         if rc == 0:
-            return
+            return bool(cell)
         if rc > 0:
             e = CopyError(
                 f"{self.describe()}: cuGraphLaunch (a graphed scatter, segment="
@@ -796,6 +802,7 @@ class CudaBackend(Backend):
             e.status = rc
             raise e
         self.scatter(segment_ptr, nblocks, stream, True)
+        return False
 
     def carried_launcher(self):
         """The compiled carried launch (a capsule), once the kernels are loaded; else None."""

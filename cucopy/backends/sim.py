@@ -940,15 +940,37 @@ class SimBackend(Backend):
     def graph_capacity(self) -> int:
         return self.device.graph_capacity
 
-    def scatter_graphed(self, segment_ptr, nblocks, stream) -> None:
+    def scatter_graphed(self, segment_ptr, nblocks, stream, cell: int = 0) -> bool:
         """A one-node graph's launch: its kernel reads ``graph_capacity`` bytes at the
         segment when it runs (all of them must lie in one allocation), as a mapped
-        scatter reads the segment then."""
-        cap = self.device.graph_capacity
+        scatter reads the segment then; with ``cell``, its last act is to copy the tag's
+        first word (read when it runs) to its second, as ``cucopy_scatter_w8k`` does."""
+        dev = self.device
+        cap = dev.graph_capacity
         if not cap:
             raise CopyError("sim: no graphed launches (SimDevice.graph_capacity is 0)")
-        self.device._mem(segment_ptr, cap)  # the kernel's one read of all cap bytes
+        dev._mem(segment_ptr, cap)  # the kernel's one read of all cap bytes
+        if cell:
+            dev._mem(cell, pack.TAG_BYTES)  # mapped memory, checked at the call
         self.scatter(segment_ptr, nblocks, stream, True)
+        if not cell:
+            return False
+
+        def tag():
+            # the kernel's last act (a stream that runs part of its queue may have run
+            # the scatter and not yet this: a kernel still finishing)
+            words = dev._mem(cell, pack.TAG_BYTES).view(np.uint64)
+            words[1] = words[0]
+
+        stream._enqueue(tag)
+        return True
+
+    def tag_wait(self, cell, want: int, stream, timeout: float) -> bool:
+        """Run ``stream``'s queued work until the tag says ``want`` (what a GPU does on its
+        own), for at most ``timeout`` seconds; as :meth:`SimEvent.wait` behind a hold."""
+        if int(cell[1]) >= want:
+            return True
+        return poll(lambda _: stream._advance_until(lambda: int(cell[1]) >= want), None, timeout)
 
     # -- graph feeds -----------------------------------------------------------------
 

@@ -910,6 +910,15 @@ cucopy_scatter_feed(const unsigned char* __restrict__ box, unsigned int entries,
 // Launch: grid 1 (any grid is correct: block b runs blocks b, b + gridDim.x, ...),
 // block CUCOPY_THREADS.
 //
+// The completion tag (cell: pack.TAG_AT, the slot's headroom): with cell non-null the
+// kernel's last act is to copy cell[0] (the step the host armed it with before the
+// launch, read in the first round with the segment) to cell[1], once every thread's
+// reads of the slot are done (the barrier) and behind a system fence. The host reads
+// cell[1] to know the slot is free to rewrite, instead of recording and querying an
+// event (a driver call each, several microseconds each on a host whose caches are
+// cold). Only a grid of one block writes it, as the graphs the host makes are; a larger
+// grid would need its last block to write it, and nothing launches one.
+//
 // CUCOPY_GRAPH_SPREAD: how the segment's descriptors share the block when it all sits in
 // shared memory. 0: one warp a descriptor (a 4 KiB descriptor is 8 windows a lane, one
 // after another). 1: the whole block runs each descriptor in turn, each descriptor's
@@ -926,22 +935,11 @@ cucopy_scatter_feed(const unsigned char* __restrict__ box, unsigned int entries,
 #endif
 static_assert(CUCOPY_GRAPH_CAP % (16u * CUCOPY_THREADS) == 0u, "whole rounds of 16-byte loads");
 
-#if CUCOPY_BUILDS(20)
-extern "C" __global__ void __launch_bounds__(CUCOPY_THREADS)
-cucopy_scatter_w8k(const unsigned char* __restrict__ seg)
+// The segment at seg, its first CUCOPY_GRAPH_CAP bytes already in s_bytes (see above).
+// Every thread of the block calls it; it returns at the same point for all of them.
+static __device__ __forceinline__ void cucopy_graph_run(const unsigned char* __restrict__ seg,
+                                                        cucopy_u8* s_bytes)
 {
-    __shared__ __align__(16) cucopy_u8 s_bytes[CUCOPY_GRAPH_CAP];
-    constexpr unsigned kRounds = CUCOPY_GRAPH_CAP / 16u / CUCOPY_THREADS;
-    uint4 w[kRounds];
-#pragma unroll
-    for (unsigned i = 0; i < kRounds; ++i) {
-        w[i] = __ldg(reinterpret_cast<const uint4*>(seg) + threadIdx.x + i * CUCOPY_THREADS);
-    }
-#pragma unroll
-    for (unsigned i = 0; i < kRounds; ++i) {
-        reinterpret_cast<uint4*>(s_bytes)[threadIdx.x + i * CUCOPY_THREADS] = w[i];
-    }
-    __syncthreads();
     const CucopyHeader& h = *reinterpret_cast<const CucopyHeader*>(s_bytes);
     const cucopy_u32 n = h.ndesc;
     const cucopy_u32 nblocks = h.nblocks;
@@ -998,6 +996,36 @@ cucopy_scatter_w8k(const unsigned char* __restrict__ seg)
     for (cucopy_u32 b = blockIdx.x; b < nblocks; b += gridDim.x) {
         cucopy_memory_block(seg, b, false);
         __syncthreads();  // its shared header and table are read before the next block's
+    }
+}
+
+#if CUCOPY_BUILDS(20)
+extern "C" __global__ void __launch_bounds__(CUCOPY_THREADS)
+cucopy_scatter_w8k(const unsigned char* __restrict__ seg, cucopy_u64* cell)
+{
+    __shared__ __align__(16) cucopy_u8 s_bytes[CUCOPY_GRAPH_CAP];
+    constexpr unsigned kRounds = CUCOPY_GRAPH_CAP / 16u / CUCOPY_THREADS;
+    uint4 w[kRounds];
+#pragma unroll
+    for (unsigned i = 0; i < kRounds; ++i) {
+        w[i] = __ldg(reinterpret_cast<const uint4*>(seg) + threadIdx.x + i * CUCOPY_THREADS);
+    }
+    // the step the host armed the tag with: in flight with the segment's loads (__ldcv:
+    // fetched again, never from a cache: the host rewrites it every step)
+    const bool tags = cell != nullptr && gridDim.x == 1u && threadIdx.x == 0u;
+    const cucopy_u64 armed = tags ? __ldcv(cell) : 0ull;
+#pragma unroll
+    for (unsigned i = 0; i < kRounds; ++i) {
+        reinterpret_cast<uint4*>(s_bytes)[threadIdx.x + i * CUCOPY_THREADS] = w[i];
+    }
+    __syncthreads();
+    cucopy_graph_run(seg, s_bytes);
+    if (cell != nullptr) {
+        __syncthreads();  // every thread's reads of the segment have completed
+        if (tags) {
+            __threadfence_system();  // and so have its writes, for any reader of the tag
+            *reinterpret_cast<volatile cucopy_u64*>(cell + 1) = armed;
+        }
     }
 }
 #endif
