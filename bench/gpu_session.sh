@@ -156,8 +156,10 @@ step graph_kernel 170 "$PY" bench/probes/graph_kernel.py --variants off,warp8k,n
 
 # the host path's pieces (an open question: bench/README.md, probes)
 step hot_path 40 "$PY" bench/probes/hot_path.py --n 32
-step step_phases 60 "$PY" bench/probes/step_phases.py --n 32
-step step_phases_n 60 bash -c "for n in 8 128; do \"$PY\" bench/probes/step_phases.py --n \$n --steps 1000 | grep -E '^N='; done"
+# (--n 32 also times the cold step's floors: empty launches, a graphed step with and
+# without the slot's completion tag, and the summary of issue 29's two ratios)
+step step_phases 100 "$PY" bench/probes/step_phases.py --n 32
+step step_phases_n 60 bash -c "for n in 8 128; do \"$PY\" bench/probes/step_phases.py --n \$n --steps 1000 --no-floors | grep -E '^N='; done"
 # a copy's host cost as a multiple of an empty call (simulated device, both staging paths)
 # the driver's own host cost of one launch (and other stream operations), from C
 # what staging bytes into the ring's page-locked slots costs, against ordinary memory

@@ -588,3 +588,33 @@ def test_an_on_drop_dropped_with_its_entries_may_stage_again(dev):
     assert done == [True] * 3
     assert [dev.to_host(d).tolist()[0] for d in dst] == [9, 1, 2, 3, 4, 5]
     assert [dev.to_host(d).tolist() for d in late] == [[7] * 4, [8] * 4, [9] * 4]
+
+
+# -- 13: a slot the compiled segment binds through its own fields --------------------------------
+
+
+def test_binding_a_slot_whose_fields_are_not_set_raises_and_binds_nothing():
+    """The compiled segment reads a ring slot's array, top and bottom as the slot's own
+    C fields: a bare SlotCore (nothing set) or a closed slot (array None) is refused
+    with a TypeError, never read."""
+    from cucopy import segment
+
+    core = pytest.importorskip("cucopy._segment")
+    if segment.IMPLEMENTATION != "compiled":
+        pytest.skip("the compiled core is not in use")
+    seg = segment.Segment(frozenset(), frozenset())
+    slot = core.SlotCore()
+    assert slot.tag == -1 and slot.array is None
+    with pytest.raises(TypeError, match="no array"):
+        seg.bind(slot)
+    slot.array = np.zeros(4096, np.uint8)
+    with pytest.raises(TypeError, match="top and bottom"):
+        seg.bind(slot)
+    slot.top, slot.bottom = 4096, 0
+    seg.bind(slot)
+    assert seg.room(4096) and not seg.room(4097)
+    assert seg.take_top(64) == 4096 - 64 and slot.top == 4096 - 64  # written back
+    slot.array = None  # as Slot.close() does: the export ends
+    with pytest.raises(TypeError):
+        seg.bind(slot)
+    assert seg.take_top(64) == -1  # (unbound: nothing to take)

@@ -1,7 +1,7 @@
 """Where a merged step's host time goes: ``begin()``, the copies, ``flush()``, and a profile.
 
 Usage:
-    python bench/probes/step_phases.py [--n 32] [--steps 2000] [--sim]
+    python bench/probes/step_phases.py [--n 32] [--steps 2000] [--sim] [--no-floors]
 
 Question: after the compiled staging core (issue 13), how much of a step's host time is
 per step (``begin``, ``flush``: backend calls) and how much per copy, on the GPU's host?
@@ -94,6 +94,11 @@ def main(argv=None) -> None:
     ap.add_argument("--n", type=int, default=32)
     ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--sim", action="store_true")
+    ap.add_argument(
+        "--no-floors",
+        action="store_true",
+        help="skip the cold step's floors (empty launches, tagged steps) and the summary",
+    )
     args = ap.parse_args(argv)
     sites = list(cc.CopySite("S", [(f"s{i}", cc.H2D) for i in range(args.n)]))
     rng = np.random.default_rng(0)
@@ -111,9 +116,10 @@ def main(argv=None) -> None:
             cold["step"] = (label, _phases(args, label, c, triples, cold=True))
     if not args.sim:
         cold["chain"] = _chain(args, sizes, srcs)
-        cold["launch"] = _launches(args, profiled[0])
-        cold["tags"] = _tagged_steps(args, sites)
-        _summary(args, cold)
+        if not args.no_floors:
+            cold["launch"] = _launches(args, profiled[0])
+            cold["tags"] = _tagged_steps(args, sites)
+            _summary(args, cold)
         print("torch attribute reads (a lambda call each):")
         _attributes()
         _flush_sizes(args)

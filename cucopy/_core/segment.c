@@ -462,6 +462,11 @@ static PyObject *seg_bind_slot(Segment *s, SlotCore *sc) {
         s->size = s->view.len;
         s->headroom = sc->headroom > 0 ? sc->headroom : 0;
     }
+    if (!sc->top || !sc->bottom) {
+        PyErr_SetString(PyExc_TypeError, "bind: the slot's top and bottom are not set");
+        seg_release(s);
+        return NULL;
+    }
     long long top = PyLong_AsLongLong(sc->top), bottom = PyLong_AsLongLong(sc->bottom);
     if ((top == -1 || bottom == -1) && PyErr_Occurred()) {
         seg_release(s);
