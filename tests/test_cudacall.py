@@ -1023,7 +1023,7 @@ def test_on_a_gpu_a_tag_behind_a_stalled_stream_is_reported_at_the_deadline(env)
 def test_on_a_gpu_with_tags_off_graphed_steps_record_their_events(env, monkeypatch):
     from cucopy import copier as copier_mod
 
-    monkeypatch.setattr(copier_mod, "TAGS", False)  # as CUCOPY_NO_TAG=1 at import
+    monkeypatch.setattr(copier_mod, "TAGS", False)  # the default; CUCOPY_TAG=1 turns tags on
     c, site = _gpu_copier(env, flush_mode="mapped", slots=2)
     fast = c._backend._bound
     if fast is None or not fast.graph_cap:
@@ -1262,7 +1262,11 @@ def test_small_mapped_segments_launch_graphed_with_their_events():
     # bytes at the segment, so a later segment of the step starts past them
     from cucopy import copier as copier_mod
 
-    c, Site, dev, fake, problems = _landing_copier("mapped", events=True, graphs=True)
+    copier_mod.TAGS, saved = True, copier_mod.TAGS  # (opt-in: CUCOPY_TAG=1)
+    try:
+        c, Site, dev, fake, problems = _landing_copier("mapped", events=True, graphs=True)
+    finally:
+        copier_mod.TAGS = saved
     compiled = copier_mod._CopierCore is not copier_mod.PyCopierCore
     rng = np.random.default_rng(5)
     dsts = [dev.zeros((k,), np.int32) for k in (3, 100, 600, 1)]  # 2.8 KB a step

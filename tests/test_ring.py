@@ -13,6 +13,15 @@ import pytest
 import cucopy as cc
 from cucopy.backends.sim import SimBackend
 
+
+@pytest.fixture(autouse=True)
+def _tags_on(monkeypatch):
+    """Completion tags on (opt-in: ``CUCOPY_TAG=1``), for the ring's tag tests."""
+    from cucopy import copier as copier_mod
+
+    monkeypatch.setattr(copier_mod, "TAGS", True)
+
+
 SOAK = os.environ.get("CUCOPY_SOAK", "") not in ("", "0")
 
 
@@ -877,7 +886,7 @@ def test_steps_with_no_graphed_launch_keep_their_events(sim_env):
 
 
 def test_with_tags_off_graphed_launches_record_events(sim_env, monkeypatch):
-    # CUCOPY_NO_TAG=1 at import (copier.TAGS), read when a copier is made
+    # tags off (copier.TAGS, the default; CUCOPY_TAG=1 turns them on), read when a copier is made
     from cucopy import copier as copier_mod
 
     monkeypatch.setattr(copier_mod, "TAGS", False)
