@@ -962,11 +962,14 @@ def test_on_a_gpu_small_segments_launch_graphed_and_wait_for_their_slots(env, mo
 
 @pytest.mark.gpu
 @needs_both
-def test_on_a_gpu_a_graphed_step_writes_its_slot_s_tag_and_owes_no_event(env):
+def test_on_a_gpu_a_graphed_step_writes_its_slot_s_tag_and_owes_no_event(env, monkeypatch):
     # the real kernel (cucopy_scatter_w8k) writes the slot's completion tag: a graphed
     # step from the staging core leaves its slot tagged with no event recorded; the tag
     # arrives once the stream ran the launch, not before (behind a held stream), and
     # the slot's reuse waits for it
+    from cucopy import copier as copier_mod
+
+    monkeypatch.setattr(copier_mod, "TAGS", True)  # (opt-in: CUCOPY_TAG=1)
     c, site = _gpu_copier(env, flush_mode="mapped", slots=2)
     fast = c._backend._bound
     if fast is None or not fast.graph_cap:
@@ -998,7 +1001,10 @@ def test_on_a_gpu_a_graphed_step_writes_its_slot_s_tag_and_owes_no_event(env):
 
 @pytest.mark.gpu
 @needs_both
-def test_on_a_gpu_a_tag_behind_a_stalled_stream_is_reported_at_the_deadline(env):
+def test_on_a_gpu_a_tag_behind_a_stalled_stream_is_reported_at_the_deadline(env, monkeypatch):
+    from cucopy import copier as copier_mod
+
+    monkeypatch.setattr(copier_mod, "TAGS", True)  # (opt-in: CUCOPY_TAG=1)
     c, site = _gpu_copier(env, flush_mode="mapped", slots=2, wait_timeout=0.5)
     fast = c._backend._bound
     if fast is None or not fast.graph_cap:
