@@ -214,7 +214,7 @@ static PyObject *copiercore_flush_fast(CopierCore *c, PyObject *unused) {
          * unchanged): flush()'s body would return at once, so return here */
         PyObject *cur = ring->current;
         if (!cur || cur == Py_None ||
-            (PyObject_TypeCheck(cur, &SlotCoreType) && ((SlotCore *)cur)->dirty == Py_False))
+            (is_slot(cur) && ((SlotCore *)cur)->dirty == Py_False))
             Py_RETURN_TRUE;
         Py_RETURN_FALSE;
     }
@@ -334,7 +334,7 @@ static PyObject *copiercore_flush_fast(CopierCore *c, PyObject *unused) {
     }
     /* the slot dirtied in the step (an eager copy, or a record that failed):
      * flush()'s body records it */
-    if (ring->current && PyObject_TypeCheck(ring->current, &SlotCoreType) &&
+    if (ring->current && is_slot(ring->current) &&
         ((SlotCore *)ring->current)->dirty != Py_False)
         Py_RETURN_FALSE;
     Py_RETURN_TRUE;
