@@ -277,7 +277,7 @@ static PyObject *copiercore_flush_fast(CopierCore *c, PyObject *unused) {
          * unchanged): flush()'s body would return at once, so return here */
         PyObject *cur = ring->current;
         if (!cur || cur == Py_None ||
-            (PyObject_TypeCheck(cur, &SlotCoreType) && ((SlotCore *)cur)->dirty == Py_False))
+            (is_slot(cur) && ((SlotCore *)cur)->dirty == Py_False))
             Py_RETURN_TRUE;
         /* eager copies only (a plan that merges nothing): their event, from C */
         int done = flush_dirty(c);
@@ -381,7 +381,7 @@ static PyObject *copiercore_flush_fast(CopierCore *c, PyObject *unused) {
         record_slot(ring, slot, E, event, stream);
     /* the slot dirtied in the step (an eager copy, or a record that failed):
      * flush()'s body records it */
-    if (ring->current && PyObject_TypeCheck(ring->current, &SlotCoreType) &&
+    if (ring->current && is_slot(ring->current) &&
         ((SlotCore *)ring->current)->dirty != Py_False)
         Py_RETURN_FALSE;
     Py_RETURN_TRUE;

@@ -332,7 +332,7 @@ static int ring_advance(RingCore *r, PyObject *segobj, PyObject *tablesobj, long
     Segment *seg = (Segment *)segobj;
     WindowMax *tables = (WindowMax *)tablesobj, *demand = (WindowMax *)r->demand;
     /* the previous slot: left clean (nothing to record) */
-    if (!r->current || !PyObject_TypeCheck(r->current, &SlotCoreType)) return 0;
+    if (!r->current || !is_slot(r->current)) return 0;
     SlotCore *prev = (SlotCore *)r->current;
     long long pbottom, psize, ptop, want, index, peak, target, size, acquires;
     if (prev->dirty != Py_False || !int_field(prev->bottom, &pbottom) ||
@@ -348,7 +348,7 @@ static int ring_advance(RingCore *r, PyObject *segobj, PyObject *tablesobj, long
     if (n == 0) return 0;
     index = index + 1 >= n ? 0 : index + 1;
     PyObject *slotobj = PyList_GET_ITEM(r->slots, index);
-    if (!PyObject_TypeCheck(slotobj, &SlotCoreType)) return 0;
+    if (!is_slot(slotobj)) return 0;
     SlotCore *slot = (SlotCore *)slotobj;
     if ((slot->recorded != Py_False && slot->recorded != Py_True) || slot->dirty == NULL ||
         !empty_list(slot->temps) || !empty_list(slot->frees) || !int_field(slot->size, &size)) {
