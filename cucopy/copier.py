@@ -1156,21 +1156,7 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
                 fp = fingerprint_fn(src)  # a torch CPU tensor: its bytes found by identity
                 if fp is not None:
                     self._seg.remember_src(src, fp, s.host, s.dtype)
-        if d.dtype != s.dtype:
-            raise TypeError(f"{site.label}: dtype mismatch: dst {d.label}, src {s.label}")
-        n = d.size
-        if n != s.size:
-            raise ValueError(
-                f"{site.label}: size mismatch: dst has {n} elements ({d.label}), "
-                f"src has {s.size} ({s.label})"
-            )
-        if d.shape != s.shape and len(s.shape) != 1 and not fits_shape(d.shape, s.shape):
-            raise ValueError(
-                f"{site.label}: shape mismatch: dst {d.label}, src {s.label}; src must "
-                "have dst's shape (leading dimensions of size 1 aside) or be flat"
-            )
-        if on_drop is not None and not callable(on_drop):
-            raise TypeError(f"{site.label}: on_drop must be callable, got {on_drop!r}")
+        n = _pair_checked(site, d, s, on_drop)
         if unchanged:
             return self._skip(site, d, s, None)
         if n == 0:
@@ -1202,21 +1188,7 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
         guard._admit(site)  # closed, or its buffer freed: src (a view of it) is stale too
         d = self._dst(site, dst)
         s = self._src(site, src, direction)
-        if d.dtype != s.dtype:
-            raise TypeError(f"{site.label}: dtype mismatch: dst {d.label}, src {s.label}")
-        n = d.size
-        if n != s.size:
-            raise ValueError(
-                f"{site.label}: size mismatch: dst has {n} elements ({d.label}), "
-                f"src has {s.size} ({s.label})"
-            )
-        if d.shape != s.shape and len(s.shape) != 1 and not fits_shape(d.shape, s.shape):
-            raise ValueError(
-                f"{site.label}: shape mismatch: dst {d.label}, src {s.label}; src must "
-                "have dst's shape (leading dimensions of size 1 aside) or be flat"
-            )
-        if on_drop is not None and not callable(on_drop):
-            raise TypeError(f"{site.label}: on_drop must be callable, got {on_drop!r}")
+        n = _pair_checked(site, d, s, on_drop)
         if n == 0:
             return False
         if self._backend.is_capturing(self._stream):
@@ -1858,6 +1830,27 @@ _active: contextvars.ContextVar = contextvars.ContextVar("cucopy_active_copier",
 
 
 _incoherent_said: set = set()
+
+
+def _pair_checked(site, d, s, on_drop) -> int:
+    """A copy's destination and source agree (dtype, size, shape) and ``on_drop`` is
+    callable or None; returns the elements copied. Raises naming the site."""
+    if d.dtype != s.dtype:
+        raise TypeError(f"{site.label}: dtype mismatch: dst {d.label}, src {s.label}")
+    n = d.size
+    if n != s.size:
+        raise ValueError(
+            f"{site.label}: size mismatch: dst has {n} elements ({d.label}), "
+            f"src has {s.size} ({s.label})"
+        )
+    if d.shape != s.shape and len(s.shape) != 1 and not fits_shape(d.shape, s.shape):
+        raise ValueError(
+            f"{site.label}: shape mismatch: dst {d.label}, src {s.label}; src must "
+            "have dst's shape (leading dimensions of size 1 aside) or be flat"
+        )
+    if on_drop is not None and not callable(on_drop):
+        raise TypeError(f"{site.label}: on_drop must be callable, got {on_drop!r}")
+    return n
 
 
 def _say_incoherent(where: str, mode: str) -> None:
