@@ -332,6 +332,12 @@ typedef struct {
     int64_t top;     /* the snapshot's offset in the slot */
 } Eager;
 
+/* whether [lo, hi) overlaps bytes staged copies write (or, with reads, D2D copies read) */
+static inline int staged_overlaps(Segment *s, addr_t lo, addr_t hi, int reads) {
+    return nstaged(s) && (ranges_overlaps(&s->writes, lo, hi) ||
+                          (reads && ranges_overlaps(&s->reads, lo, hi)));
+}
+
 /* 1: e is filled (e->g.hold held: Py_DECREF it), 0: a miss, -1: an error. Nothing is
  * written until it answers 1; the slot's top is then taken (the last step, with no
  * Python code run after it). */
@@ -380,14 +386,9 @@ static int eager_source(Segment *s, PyObject *dst, PyObject *src, Eager *e) {
     /* the fingerprint and the view's attributes ran Python code: asked again */
     if (!seg_usable(s)) goto miss;
     /* program order: a copy over (or under) staged bytes lands them first (Python) */
-    if (nstaged(s) &&
-        (ranges_overlaps(&s->writes, g->lo, g->hi) || ranges_overlaps(&s->reads, g->lo, g->hi)))
-        goto miss;
-    /* the slot's top, as take_top() */
-    int64_t top = (s->top - g->nbytes) & -(int64_t)ALIGN;
-    int64_t tail = nstaged(s) ? reserve_tail(s) : 0;
-    if (top < max64(s->cursor, s->bottom) + tail) goto miss; /* (a temporary: Python's) */
-    e->top = top;
+    if (staged_overlaps(s, g->lo, g->hi, 1)) goto miss;
+    e->top = top_room(s, g->nbytes); /* the slot's top, as take_top() */
+    if (e->top < 0) goto miss;       /* (a temporary: Python's) */
     return 1;
 miss:
     Py_DECREF(g->hold);
@@ -683,9 +684,7 @@ static PyObject *seg_overlaps(Segment *s, PyObject *args) {
     unsigned long long lo, hi;
     int reads = 1;
     if (!PyArg_ParseTuple(args, "KK|p", &lo, &hi, &reads)) return NULL;
-    if (!nstaged(s)) Py_RETURN_FALSE;
-    return PyBool_FromLong(ranges_overlaps(&s->writes, lo, hi) ||
-                           (reads && ranges_overlaps(&s->reads, lo, hi)));
+    return PyBool_FromLong(staged_overlaps(s, lo, hi, reads));
 }
 
 static PyObject *seg_desc(Segment *s, PyObject *arg) {

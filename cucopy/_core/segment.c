@@ -554,13 +554,20 @@ static PyObject *seg_room(Segment *s, PyObject *arg) {
     return PyBool_FromLong(s->top - n >= max64(s->bottom, s->cursor));
 }
 
+/* where an eager snapshot of n bytes goes: the slot's top, aligned, above what is staged
+ * and the table it may still grow; -1 when it does not fit (take_top and core_eager) */
+static inline int64_t top_room(Segment *s, int64_t n) {
+    int64_t top = (s->top - n) & -(int64_t)ALIGN;
+    int64_t tail = nstaged(s) ? reserve_tail(s) : 0;
+    return top >= max64(s->cursor, s->bottom) + tail ? top : -1;
+}
+
 static PyObject *seg_take_top(Segment *s, PyObject *arg) {
     long long n = PyLong_AsLongLong(arg);
     if (n == -1 && PyErr_Occurred()) return NULL;
     if (!s->bound || !s->slot || n < 0) return PyLong_FromLong(-1); /* nothing to take */
-    int64_t top = (s->top - n) & -(int64_t)ALIGN;
-    int64_t tail = nstaged(s) ? reserve_tail(s) : 0;
-    if (top >= max64(s->cursor, s->bottom) + tail) {
+    int64_t top = top_room(s, n);
+    if (top >= 0) {
         PyObject *v = PyLong_FromLongLong(top);
         if (!v || slot_set(s->slot, S->s_top, v) < 0) { Py_XDECREF(v); return NULL; }
         s->top = top;
