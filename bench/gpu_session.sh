@@ -207,8 +207,11 @@ if "$PY" -c "import transformers" 2>/dev/null; then
             --mode "$mode" --bound --pairs 7 --watchdog 100 \
             --json "$work/bench/hf_continuous_batching-$mode.json"
     done
-    # (the dma/mapped flush, one torch thread and the upload's cProfile ran in runs
-    # 31-33 and final7: bench/probes/hf_upload_profile.py, --flush-mode, --threads)
+    # the routed upload's calls by own time, from the engine's thread (async mode)
+    step hf_profile 90 env PYTHONPATH=. "$PY" bench/probes/hf_upload_profile.py \
+        --mode async --pairs 2
+    # (the dma/mapped flush and one torch thread ran in runs 31-33 and final7:
+    # bench/hf_ab.py --flush-mode, --threads)
 else
     skip hf_async "transformers is not installed"
     skip hf_sync "transformers is not installed"
@@ -225,6 +228,7 @@ fi
         lines=15
         [[ $n == bench ]] && lines=200
         [[ $n == hf_* ]] && lines=40
+        [[ $n == hf_profile ]] && lines=60
         echo
         echo "---- $n (last $lines lines) ----"
         tail -n "$lines" "$logs/$n.log"

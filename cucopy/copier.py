@@ -20,7 +20,7 @@ from .feed import GraphFeed
 from .guard import HostGuard
 from .plan import CopyPlan
 from .ring import DEMAND_WINDOW, StagingRing, WindowMax, free_orphans, orphan
-from .segment import BARRIER, FULL, ORDER, Segment, fits_shape
+from .segment import BARRIER, FULL, ORDER, SKIPPED, Segment, fits_shape
 from .segment import Activation as _CompiledActivation
 from .segment import CopierCore as _CompiledCopierCore
 from .segment import FastCopy as _FastCopy
@@ -1281,6 +1281,9 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
         if not unchanged:
             # the fast path: a merged fill of a known destination, staged by the segment
             r = self._seg.try_fill(site, dst, start, value, on_drop)
+            if r == SKIPPED:  # an empty tail of a known destination
+                self.stats.add_skipped(site)
+                return False
             if r:
                 if r == BARRIER:
                     self._after_barrier(site)

@@ -39,6 +39,7 @@ __all__ = [
     "MISS",
     "STAGED",
     "BARRIER",
+    "SKIPPED",
     "FULL",
     "ORDER",
     "DCACHE_MAX",
@@ -48,6 +49,7 @@ __all__ = [
 MISS = 0  # not taken: the copier's general path handles the copy
 STAGED = 1  # staged
 BARRIER = 2  # staged through a barrier site (or in check mode): the copier follows up
+SKIPPED = 3  # try_fill: an empty tail (start past the end), nothing to stage
 # stage outcomes
 FULL = -1  # the slot cannot hold it: run it eagerly
 ORDER = -2  # it overlaps staged work: flush the open segment, then stage again
@@ -468,13 +470,15 @@ class PySegment:
         Taken for a merged FILL site (``fills``), a cached destination with a 2-D
         form and 1, 2, 4 or 8-byte elements of an integer dtype, an int ``start``
         inside it and an int ``value`` the dtype holds; the tail's descriptors are
-        placed as the general path places them. Anything else, an overlap with
-        staged work and a full slot included, is the general path's.
+        placed as the general path places them. A ``start`` at or past the end (an
+        empty tail) passes the same checks and stages nothing. Anything else, an
+        overlap with staged work and a full slot included, is the general path's.
 
         Returns
         -------
         int
-            :data:`STAGED`, :data:`BARRIER` or :data:`MISS`.
+            :data:`STAGED`, :data:`BARRIER`, :data:`SKIPPED` (an empty tail: the
+            copier counts it skipped) or :data:`MISS`.
         """
         if (
             not self._fast
@@ -490,7 +494,7 @@ class PySegment:
             return MISS
         dtype = ent[7]
         it = dtype.itemsize
-        if dtype.kind not in "iu" or it not in (1, 2, 4, 8) or not 0 <= start < ent[8]:
+        if dtype.kind not in "iu" or it not in (1, 2, 4, 8) or start < 0:
             return MISS
         if it > 1 and not dtype.isnative:
             return MISS  # the pattern below is little-endian: NumPy's for the general path
@@ -499,6 +503,8 @@ class PySegment:
         if not lo_v <= value < hi_v:
             return MISS
         pattern = value & ((1 << bits) - 1)
+        if start >= ent[8]:
+            return SKIPPED  # an empty tail: nothing staged (the general path's skip)
         parts = _tail_blocks(ent[3], start, it)
         lo = parts[0][0]
         last = parts[-1]

@@ -158,6 +158,16 @@ class CopyStats:
         """Count one step begun (what the Python paths of ``begin()`` call)."""
         self._steps += 1
 
+    def add_skipped(self, site: CopySite) -> None:
+        """Count one copy of ``site`` skipped, with no fold first (the counts pending in C
+        are added whenever read, so the sum is the same).
+
+        Parameters
+        ----------
+        site : CopySite
+        """
+        self._sites[site]._skipped += 1
+
     def add_segment(self, how: str, nbytes: int) -> None:
         """Count one flushed segment of ``nbytes`` bytes that reached the kernel ``how``.
 

@@ -333,6 +333,38 @@ def test_fill_tail_rules(env):
         c.fill_tail(Site.TAIL, env.empty((4,), np.int8), 0, 300)
 
 
+def test_an_empty_tail_of_a_known_destination_is_skipped_on_the_fast_path(env, monkeypatch):
+    """``fill_tail`` at or past the end (an engine's pad of a full buffer) is counted
+    skipped by the staging fast path, with no trip through the general path; a value the
+    dtype cannot hold still raises there."""
+    c = env.copier(PLAN)
+    t = env.empty((8,))
+    with c.step():
+        assert c.fill_tail(Site.TAIL, t[:4], 0, 1) is True  # t[:4] known from here on
+    calls = []
+    general = type(c)._site
+
+    def counting(self, site, fill):
+        calls.append(site)
+        return general(self, site, fill)
+
+    monkeypatch.setattr(type(c), "_site", counting)
+    with c.step():
+        for start in (4, 5, 9):
+            assert c.fill_tail(Site.TAIL, t[:4], start, 7) is False
+        assert c.staged == 0
+    assert calls == []  # every empty tail stayed on the fast path
+    assert c.stats.sites[Site.TAIL].skipped == 3
+    assert c.stats.sites[Site.TAIL].merged == 1
+    with c.step():
+        with pytest.raises(ValueError, match=r"Site\.TAIL: fill value 1099511627776 does not fit"):
+            c.fill_tail(Site.TAIL, t[:4], 4, 2**40)  # int32 cannot hold it
+        with pytest.raises(ValueError, match=r"Site\.TAIL: start must be an int >= 0"):
+            c.fill_tail(Site.TAIL, t[:4], -1, 7)
+    assert calls  # the general path raised both
+    assert env.to_host(t).tolist() == [1] * 4 + [0] * 4
+
+
 def test_d2d_between_views(env):
     c = env.copier(PLAN)
     src = env.asarray(np.arange(20, dtype=np.int32).reshape(4, 5))

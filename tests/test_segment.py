@@ -491,13 +491,18 @@ def test_fills_of_a_known_destination_take_the_fast_path(twin):
         flat = dev.to_host(table)[:, :6].reshape(-1)
         assert flat[n:].tolist() == [-n] * (24 - n)
     assert calls == []
-    # a value the dtype cannot hold, and a tail past the end, go the general way
+    # a value the dtype cannot hold goes the general way (which raises), even for an
+    # empty tail; a tail past the end is skipped on the fast path
     with c.step():
         with pytest.raises(ValueError, match="does not fit"):
             c.fill_tail(Site.TAIL, buf, 0, 1 << 20)
+        with pytest.raises(ValueError, match="does not fit"):
+            c.fill_tail(Site.TAIL, buf, 16, 1 << 20)
         assert c.fill_tail(Site.TAIL, buf, 16, 0) is False
+        assert c.fill_tail(Site.TAIL, table[:, :6], 24, 0) is False
     assert calls == [Site.TAIL, Site.TAIL]
     assert c.stats.sites[Site.TAIL].merged == 8
+    assert c.stats.sites[Site.TAIL].skipped == 2
     c.close()
 
 

@@ -401,7 +401,8 @@ fail:
 static PyObject *seg_stage(Segment *s, PyObject *args);
 
 static PyObject *seg_try_fill(Segment *s, PyObject *const *args, Py_ssize_t nargs) {
-    /* try_fill(site, dst, start, value, on_drop) -> MISS / STAGED / BARRIER */
+    /* try_fill(site, dst, start, value, on_drop) -> MISS / STAGED / BARRIER / SKIPPED
+     * (an empty tail: start at or past the end, the value checked all the same) */
     if (nargs != 5) {
         PyErr_SetString(PyExc_TypeError, "try_fill(site, dst, start, value, on_drop)");
         return NULL;
@@ -431,8 +432,7 @@ static PyObject *seg_try_fill(Segment *s, PyObject *const *args, Py_ssize_t narg
     int signed_ = PyUnicode_CompareWithASCIIString(kind, "i") == 0;
     int unsigned_ = PyUnicode_CompareWithASCIIString(kind, "u") == 0;
     Py_DECREF(kind);
-    if ((!signed_ && !unsigned_) || (it != 1 && it != 2 && it != 4 && it != 8) || start >= size)
-        goto miss;
+    if ((!signed_ && !unsigned_) || (it != 1 && it != 2 && it != 4 && it != 8)) goto miss;
     if (it > 1) { /* the pattern below is in the host's order: a swapped dtype is the
                    * general path's (its pattern comes from NumPy, in the dtype's order) */
         PyObject *native = PyObject_GetAttrString(g.dtype, "isnative");
@@ -458,6 +458,10 @@ static PyObject *seg_try_fill(Segment *s, PyObject *const *args, Py_ssize_t narg
         pattern = v;
     }
     if (bits < 64) pattern &= (1ULL << bits) - 1;
+    if (start >= size) { /* an empty tail: nothing staged (the general path's skip) */
+        Py_DECREF(g.hold);
+        return PyLong_FromLong(SKIPPED);
+    }
     /* _layout.tail_blocks */
     int64_t per_row = g.width / it, r0 = start / per_row, c0 = start % per_row;
     PyObject *descs = PyList_New(0), *first = NULL;

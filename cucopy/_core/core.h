@@ -37,7 +37,7 @@ _Static_assert(sizeof(Py_ssize_t) == sizeof(int64_t), "shapes are compared as in
  * checks the compiled flush's tagged launches against pack.TAG_AT) */
 #define TAG_AT (-64)
 
-enum { MISS = 0, STAGED = 1, BARRIER = 2, FULL = -1, ORDER = -2 };
+enum { MISS = 0, STAGED = 1, BARRIER = 2, SKIPPED = 3, FULL = -1, ORDER = -2 };
 
 
 /* An error raised by Python code the fast path called (a fingerprint, an attribute
