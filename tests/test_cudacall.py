@@ -1105,6 +1105,13 @@ def _landing_copier(
         backend="sim",
         flush_mode=mode,
     )
+    fake, problems = _attach_landing(c, dev, events=events, graphs=graphs)
+    return c, site, dev, fake, problems
+
+
+def _attach_landing(c, dev, events: bool = False, graphs: bool = False):
+    """Give sim copier ``c`` (on ``dev``) a fake launcher that lands what it is handed
+    (see :func:`_landing_copier`); returns ``(fake driver, problems)``."""
     be = c._backend
     problems: list = []
 
@@ -1183,7 +1190,7 @@ def _landing_copier(
     _KEEP.append((weakref.ref(c), fake))  # its callbacks outlive the Driver (see _KEEP)
     if events:
         c._ring._launcher = c._launcher
-    return c, site, dev, fake, problems
+    return fake, problems
 
 
 @pytest.mark.parametrize("mode", ["auto", "inline", "mapped", "dma"])
@@ -1828,3 +1835,62 @@ def test_the_compiled_flush_leaves_a_guards_event_to_the_python_flush(merged):
     assert problems == []
     guard.close()
     c.close()
+
+
+class _LandingEnv:
+    """tests/conftest.py's SimEnv whose copiers get a fake launcher that lands what it is
+    handed (_attach_landing: graphs, events as raw handles), with completion tags on or
+    off: the property programs of tests/test_properties_env.py run through the compiled
+    flush's graphed and tagged launches, as on a GPU."""
+
+    def __init__(self, policy: str, tags: bool):
+        from conftest import SimEnv
+
+        self._env = SimEnv(policy, seed=1234)
+        self._env.dev.graph_capacity = pack.GRAPH_CAPACITY  # (the GPU's; the slots' size)
+        self.tags = tags
+        self.copiers: list = []
+
+    def __getattr__(self, name):
+        return getattr(self._env, name)
+
+    def copier(self, plan=None, **kw):
+        from cucopy import copier as copier_mod
+
+        copier_mod.TAGS, saved = self.tags, copier_mod.TAGS
+        try:
+            c = self._env.copier(plan, **kw)
+        finally:
+            copier_mod.TAGS = saved
+        fake, problems = _attach_landing(c, self._env.dev, events=True, graphs=True)
+        self.copiers.append((c, fake, problems))
+        return c
+
+
+@needs_ext
+@pytest.mark.parametrize("policy", ["lazy", "eager"])
+@pytest.mark.parametrize("seed,mode", [(2, "mapped"), (1, "auto")])
+def test_held_programs_wait_no_more_with_tags_than_with_events(policy, seed, mode):
+    # tests/test_properties_env.py's program (a stream held for at most SLOTS - 1 steps
+    # at a time) through the compiled flush's graphed launches, tags on and off: with
+    # tags the host waits for no slot behind a hold (the sim raises SimDeadlock on any
+    # wait for held work) and no more often than with events, the tagged launches write
+    # their tags (close() waits for them), and both land the same segments the same
+    # ways
+    import test_properties_env as programs
+
+    from cucopy import copier as copier_mod
+
+    compiled = copier_mod._CopierCore is not copier_mod.PyCopierCore
+    seen = {}
+    for tags in (False, True):
+        env = _LandingEnv(policy, tags)
+        stats = programs._run(env, seed, 60, mode)
+        ((c, fake, problems),) = env.copiers
+        assert problems == []
+        cells = [n["cell"] for n, _ in fake.graph_launches]
+        if compiled:
+            assert fake.graph_launches  # the staging core launched graphed segments
+            assert any(cells) == tags  # and tagged the steps' first readers (tags on)
+        seen[tags] = (stats.host_waits, stats.segments, dict(stats.modes))
+    assert seen[True] == seen[False]
