@@ -1928,3 +1928,50 @@ def test_the_compiled_flush_leaves_a_guards_event_to_the_python_flush(merged):
     assert problems == []
     guard.close()
     c.close()
+
+
+@needs_both
+@pytest.mark.skipif(
+    not _compiled_copier_core_now(), reason="the compiled staging core is not in use"
+)
+def test_compiled_guarded_copies_take_one_driver_copy_from_the_buffer_itself(monkeypatch):
+    # past the first (Python: pinned verified, the destination cached), a guarded copy is
+    # one copy through the launcher from the guard's buffer (no snapshot in the slot),
+    # with the destination's pitch and the view's; flush()'s body records the guard's
+    # event once a step
+    import cucopy as cc
+
+    c, Site, dev, fake, problems = _landing_copier("inline", events=True)
+    buf = dev.pinned_empty((6, 16), np.int32)
+    guard = cc.HostGuard(buf, label="mask")
+    table = dev.zeros((8, 12), np.int32)
+    flat = dev.zeros((2, 12), np.int32)
+    python = []
+    body = cc.DeviceCopier._copy_guarded
+    monkeypatch.setattr(
+        cc.DeviceCopier,
+        "_copy_guarded",
+        lambda self, site, *a: python.append(site) or body(self, site, *a),
+    )
+    for k in range(2 * c._ring.slots):
+        with guard.write():
+            buf[...] = np.arange(96, dtype=np.int32).reshape(6, 16) + k
+        copies = len(fake.copies)
+        with c.step():
+            c.copy(Site.A, table[:5, 2:9], buf[:5, 3:10], guard=guard)  # merged: in place
+            c.copy(Site.P, flat, buf[1:3, 4:], guard=guard)  # rows into a packed dst
+        guard.wait()
+        assert dev.to_host(table)[:5, 2:9].tolist() == buf[:5, 3:10].tolist()
+        assert dev.to_host(flat).tolist() == buf[1:3, 4:].tolist()
+        if k:
+            assert len(fake.copies) == copies + 2
+        assert guard._by_copier[c].ticket == k + 1  # the guard's event, once a step
+    assert python == [Site.A, Site.P] and c._fast_guarded == 2 * (2 * c._ring.slots - 1)
+    one, two = fake.copies[-2:]
+    assert one == (table.ptr + 8, 48, buf.ctypes.data + 12, 64, 28, 5, 77)
+    assert two == (flat.ptr, 48, buf.ctypes.data + 64 + 16, 64, 48, 2, 77)
+    st = c.stats.sites
+    assert st[Site.A].eager == st[Site.A].fallback["in_place"] == 2 * c._ring.slots
+    assert problems == []
+    guard.close()
+    c.close()
