@@ -699,6 +699,8 @@ class CudaBackend(Backend):
     """
 
     name = "cuda"
+    #: the compiled driver calls once bound (set per backend by _get_kernels)
+    _bound = None
 
     def __init__(self, device: int | None = None):
         _load()
