@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -816,7 +817,9 @@ def test_a_buffer_changed_under_a_warm_guard_and_a_capture_are_refused_by_python
         w.c.copy(Site.MASK, w.dst, w.buf, guard=w.g)
     assert w.c._fast_guarded == 1
     w.g.wait()
-    w.buf.shape = (8, 4)  # the array the guard was made over, reshaped in place
+    with warnings.catch_warnings():  # (NumPy 2.5 deprecates setting .shape)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        w.buf.shape = (8, 4)  # the array the guard was made over, reshaped in place
     with w.c.step():
         with pytest.raises(
             cc.CopyError,
@@ -824,7 +827,9 @@ def test_a_buffer_changed_under_a_warm_guard_and_a_capture_are_refused_by_python
             r"freed or reallocated .*shape \(4, 8\) -> \(8, 4\)",
         ):
             w.c.copy(Site.MASK, w.dst, w.buf.reshape(4, 8), guard=w.g)
-    w.buf.shape = (4, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        w.buf.shape = (4, 8)
     with w.c.step():
         w.c.copy(Site.MASK, w.dst, w.buf, guard=w.g)
         with w.dev.capture(w.s):  # a capture begun after begin()
