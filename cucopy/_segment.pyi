@@ -239,10 +239,16 @@ class CopierCore:
     _mapped_max: int
     _graph_cap: int
     flush_mode: str
+    wait_timeout: object
+    _guards_owed: object
     @property
     def _fast_begins(self) -> int: ...
     @property
     def _fast_flushes(self) -> int: ...
+    @property
+    def _fast_guarded(self) -> int: ...
+    @property
+    def _serial(self) -> int: ...
     @property
     def _step_ctx(self) -> int: ...
     @property
@@ -284,6 +290,24 @@ class Activation:
         tb: TracebackType | None,
         /,
     ) -> Literal[False]: ...
+
+@disjoint_base
+class UseCore:
+    owed: bool
+    timeout: object
+    sites: object
+    @property
+    def _serial(self) -> int: ...
+
+@disjoint_base
+class GuardCore:
+    _closed: bool
+    _lo: int
+    _hi: int
+    _buf: object
+    _geom: object
+    _active: object
+    _fast_use: object
 
 @disjoint_base
 class UpdateCore:

@@ -269,6 +269,8 @@ class PyCopierCore:
         "_mapped_max",
         "_graph_cap",
         "_tags",
+        "wait_timeout",
+        "_guards_owed",
         "__dict__",
         "__weakref__",
     )
@@ -281,6 +283,11 @@ class PyCopierCore:
     @property
     def _fast_flushes(self) -> int:
         """Segments :meth:`_flush_fast` landed (always 0 here: it lands none)."""
+        return 0
+
+    @property
+    def _fast_guarded(self) -> int:
+        """Guarded copies the compiled case issued (always 0 here: there is none)."""
         return 0
 
     # No _begin_fast, _flush_fast or _take_counts: where the core is not compiled,
@@ -1191,6 +1198,10 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
         n = _pair_checked(site, d, s, on_drop)
         if n == 0:
             return False
+        if dst is not d:
+            # cached, as the general path caches it: the compiled copy takes the next
+            # guarded copies into it without a Python call (_core/guard.c)
+            self._remember_dst(site, dst, d)
         if self._backend.is_capturing(self._stream):
             raise ValueError(
                 f"{site.label}: guard= is refused during graph capture: the graph would "

@@ -44,6 +44,8 @@ import numpy as np
 from . import _layout, check
 from .adapters import resolve
 from .errors import CopyError
+from .segment import GuardCore as _CompiledGuardCore
+from .segment import UseCore as _CompiledUseCore
 
 __all__ = ["HostGuard"]
 
@@ -62,26 +64,36 @@ def _raw(lo: int, hi: int) -> np.ndarray:
     return np.ctypeslib.as_array((ctypes.c_ubyte * (hi - lo)).from_address(lo))
 
 
-class _Use:
+#: the fields a guarded copy's compiled case writes (``cucopy._segment.UseCore``'s,
+#: typed there: ``owed`` a C boolean), or a plain base
+_UseBase = object if _CompiledUseCore is None else _CompiledUseCore
+_TYPED = ("timeout", "owed", "sites")
+
+
+class _Use(_UseBase):  # type: ignore[misc,valid-type]
     """What a guard knows of one copier's copies reading it.
 
     Holds the stream and backend itself (not the copier): a copier collected while
     its copies are in flight still has them waited for.
     """
 
-    __slots__ = (
-        "backend",
-        "stream",
-        "stream_obj",
-        "timeout",
-        "event",
-        "owed",
-        "recorded",
-        "ticket",
-        "sites",
-        "pinned",
-        "where",
-        "__weakref__",
+    __slots__ = tuple(
+        name
+        for name in (
+            "backend",
+            "stream",
+            "stream_obj",
+            "timeout",
+            "event",
+            "owed",
+            "recorded",
+            "ticket",
+            "sites",
+            "pinned",
+            "where",
+            "__weakref__",
+        )
+        if _CompiledUseCore is None or name not in _TYPED
     )
 
     def __init__(self, copier: Any) -> None:
@@ -96,12 +108,16 @@ class _Use:
         self.owed = False  # copies issued since the event was last recorded
         self.recorded = False  # the event was recorded after copies not known complete
         self.ticket = 0  # records made (a wait clears what it covered, no more)
-        self.sites: dict = {}  # site label -> copies not known complete
+        self.sites: dict = {}  # site -> copies not known complete
         self.pinned = False  # the buffer was found pinned on this backend
         self.where = be.describe()
 
     def names(self) -> str:
-        return ", ".join(f"{k} x{v}" for k, v in self.sites.items()) or "none"
+        by_label: dict = {}
+        for site, n in self.sites.items():
+            label = _site_label(site)
+            by_label[label] = by_label.get(label, 0) + n
+        return ", ".join(f"{k} x{v}" for k, v in by_label.items()) or "none"
 
 
 class _Watch:
@@ -132,7 +148,12 @@ class _Write:
         return None
 
 
-class HostGuard:
+#: the fields a guarded copy's compiled case reads (``cucopy._segment.GuardCore``'s,
+#: typed there: ``_closed`` a C boolean, ``_lo`` / ``_hi`` C integers), or a plain base
+_GuardBase = object if _CompiledGuardCore is None else _CompiledGuardCore
+
+
+class HostGuard(_GuardBase):  # type: ignore[misc,valid-type]
     """An owner's pinned host buffer, read in place by copies and written through the guard.
 
     Pass it as ``guard=`` to :meth:`DeviceCopier.copy <cucopy.DeviceCopier.copy>` or
@@ -192,6 +213,9 @@ class HostGuard:
         self._by_copier: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._active: list[_Use] = []
         self._watch: _Watch | None = None
+        # the use the last copier found the buffer pinned through (the compiled copy
+        # takes that copier's guarded copies without a Python call)
+        self._fast_use: _Use | None = None
 
     # -- what it is --------------------------------------------------------------------
 
@@ -286,6 +310,7 @@ class HostGuard:
             self._watch = None
             self._active.clear()
             self._by_copier.clear()
+            self._fast_use = None
 
     def _fence(self, what: str, alive: bool = True) -> None:
         """Wait for every copy that read the buffer (recording events still owed)."""
@@ -360,6 +385,7 @@ class HostGuard:
                         "copy without guard= (the copy is then snapshotted at the call)"
                     )
                 use.pinned = True
+            self._fast_use = use
             if self._watch is not None and check.CHECK_MODE:
                 self._verify("a copy through the guard", site)
             return use
@@ -383,7 +409,7 @@ class HostGuard:
         """
         label = _site_label(site)
         with self._lock:
-            use.sites[label] = use.sites.get(label, 0) + 1
+            use.sites[site] = use.sites.get(site, 0) + 1
             use.timeout = copier.wait_timeout
             if not any(u is use for u in self._active):
                 self._active.append(use)
@@ -463,7 +489,7 @@ class HostGuard:
 
     def _readers(self) -> str:
         """The sites whose copies may still read the buffer, for an error."""
-        names = sorted({k for u in self._active for k in u.sites})
+        names = sorted({_site_label(k) for u in self._active for k in u.sites})
         return ", ".join(names) if names else "none"
 
     # -- check mode ----------------------------------------------------------------------------

@@ -894,6 +894,9 @@ context_id = None
 set_check_mode = None
 #: ``cucopy.buffer._PyUpdateCore``'s compiled twin (None with the pure-Python segment)
 UpdateCore = None
+#: ``cucopy.guard.HostGuard``'s and ``_Use``'s compiled bases (None: plain classes)
+GuardCore = None
+UseCore = None
 if not os.environ.get("CUCOPY_PURE_PYTHON"):
     try:
         from . import _segment as _compiled
@@ -921,4 +924,6 @@ if not os.environ.get("CUCOPY_PURE_PYTHON"):
         context_id = _compiled._context_id
         set_check_mode = _compiled._set_check_mode
         UpdateCore = _compiled.UpdateCore
+        GuardCore = _compiled.GuardCore
+        UseCore = _compiled.UseCore
         IMPLEMENTATION = "compiled"

@@ -101,7 +101,8 @@ class CopyStats:
         last call (the copier's segment counts in C); folded into ``sites``.
     pending_eager : list
         The same for eager copies (the compiled copy issues a site's eager copies
-        itself and counts them in C).
+        itself and counts them in C); a count may be ``(n, reason)``, a merged site's
+        eager copies with their fallback reason.
     pending_skipped : list
         The same for skipped copies (``DeviceCopyBuffer.update``'s fast path counts
         its skips apart, see :mod:`cucopy.buffer`).
@@ -240,6 +241,9 @@ class CopyStats:
                 sites[site]._merged += n
         for fold in self.pending_eager:
             for site, n in fold().items():
+                if type(n) is tuple:  # (n, reason): a merged site's, with its fallback
+                    n, reason = n
+                    sites[site].fallback[reason] += n
                 sites[site]._eager += n
         for fold in self.pending_skipped:
             for site, n in fold().items():

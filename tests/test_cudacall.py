@@ -650,6 +650,106 @@ def test_bound_event_calls_call_nothing_from_another_context():
     assert fake.records == [(0xE1, 0x5)] and fake.queries == [0xE1]
 
 
+class _FakeRuntime:
+    """CuPy's runtime calls the CUDA backend makes, recorded (no GPU here)."""
+
+    class Error(Exception):
+        status = 1
+
+    def __init__(self):
+        self.calls = []
+        self.fail = False
+
+    def _call(self, *rec):
+        self.calls.append(rec)
+        if self.fail:
+            raise self.Error("cudaErrorInvalidValue: invalid argument")
+
+    def memcpyAsync(self, dst, src, n, kind, stream):
+        self._call("memcpyAsync", dst, src, n, kind, stream)
+
+    def memcpy2DAsync(self, dst, dpitch, src, spitch, width, rows, kind, stream):
+        self._call("memcpy2DAsync", dst, dpitch, src, spitch, width, rows, kind, stream)
+
+    def eventRecord(self, event, stream):
+        self._call("eventRecord", event, stream)
+
+
+def _bound_backend(monkeypatch, fake):
+    """A CudaBackend (made without CuPy) whose compiled driver is bound to the fake,
+    with CuPy's runtime replaced by a recording _FakeRuntime; returns (backend, runtime,
+    the current context's cell, the device ordinals asked)."""
+    from cucopy.backends import cuda
+
+    rt, asked = _FakeRuntime(), []
+    monkeypatch.setattr(cuda, "_rt", rt)
+    monkeypatch.setattr(cuda, "_RuntimeError", _FakeRuntime.Error)
+    monkeypatch.setattr(cuda, "_getDevice", lambda: asked.append(0) or 0)
+    d = _driver(fake)
+    d.events(*fake.event_addrs)
+    d.copies(*fake.copy_addrs)
+    current = {"ctx": 0x1111}
+
+    @_CTX_CURRENT
+    def ctx_current(out):
+        out[0] = current["ctx"]
+        return 0
+
+    d.bind(ctypes.cast(ctx_current, ctypes.c_void_p).value, 0x1111)
+    be = cuda.CudaBackend.__new__(cuda.CudaBackend)
+    be.device, be._bound, be._fast, be._ctx_fn = 0, d, d, ctx_current
+    return be, rt, current, asked
+
+
+@needs_ext
+def test_the_backends_copies_and_records_go_through_the_bound_driver(monkeypatch):
+    # with the compiled driver bound, an H2D copy2d and event_record are one C call each
+    # (which keeps the GIL), with no question to CuPy which device is current
+    fake = FakeDriver()
+    be, rt, current, asked = _bound_backend(monkeypatch, fake)
+    be.copy2d(True, 0xD000, 16, 0x1000, 16, 16, 1, 5)
+    be.copy2d(True, 0xD000, 64, 0x1000, 32, 16, 3, 5)
+    be.event_record(0xE1, 5)
+    assert fake.copies == [(0xD000, 16, 0x1000, 16, 16, 1, 5), (0xD000, 64, 0x1000, 32, 16, 3, 5)]
+    assert fake.records == [(0xE1, 5)]
+    assert rt.calls == [] and asked == []
+    be.copy2d(True, 0xD000, 64, 0x1000, 32, 0, 3, 5)  # nothing to copy: no call at all
+    # a D2D copy (the driver's copy is H2D only), and a pitch past the 2-D limit: CuPy's
+    be.copy2d(False, 0xD000, 64, 0xD800, 32, 16, 3, 5)
+    be.copy2d(True, 0xD000, 1 << 31, 0x1000, 16, 16, 2, 5)
+    assert rt.calls[0][0] == "memcpy2DAsync" and rt.calls[0][1:7] == (
+        0xD000,
+        64,
+        0xD800,
+        32,
+        16,
+        3,
+    )
+    assert [c[0] for c in rt.calls[1:]] == ["memcpyAsync", "memcpyAsync"]  # a row each
+    assert len(fake.copies) == 2 and len(asked) == 2
+
+
+@needs_ext
+def test_the_backend_falls_back_to_cupy_from_another_context_or_a_failed_call(monkeypatch):
+    fake = FakeDriver()
+    be, rt, current, asked = _bound_backend(monkeypatch, fake)
+    current["ctx"] = 0x2222  # another device's context is current: CuPy's calls
+    be.copy2d(True, 0xD000, 64, 0x1000, 32, 16, 3, 5)
+    be.event_record(0xE1, 5)
+    assert fake.copies == [] and fake.records == []
+    assert [c[0] for c in rt.calls] == ["memcpy2DAsync", "eventRecord"]
+    current["ctx"] = 0x1111
+    fake.copy_result = fake.event_result = 1  # the driver refuses: CuPy's call reports
+    rt.fail = True
+    with pytest.raises(CopyError, match=r"cudaMemcpy2DAsync failed: .*width=16 rows=3"):
+        be.copy2d(True, 0xD000, 64, 0x1000, 32, 16, 3, 5)
+    with pytest.raises(CopyError, match=r"cudaMemcpyAsync failed"):
+        be.copy2d(True, 0xD000, 16, 0x1000, 16, 16, 1, 5)
+    with pytest.raises(CopyError, match=r"cudaEventRecord failed: .*event=0xe1 stream=0x5"):
+        be.event_record(0xE1, 5)
+    assert len(fake.copies) == 2 and len(fake.records) == 1  # asked once each
+
+
 @needs_ext
 def test_events_refuses_a_null_entry_point():
     fake = FakeDriver()
@@ -1894,3 +1994,50 @@ def test_held_programs_wait_no_more_with_tags_than_with_events(policy, seed, mod
             assert any(cells) == tags  # and tagged the steps' first readers (tags on)
         seen[tags] = (stats.host_waits, stats.segments, dict(stats.modes))
     assert seen[True] == seen[False]
+
+
+@needs_both
+@pytest.mark.skipif(
+    not _compiled_copier_core_now(), reason="the compiled staging core is not in use"
+)
+def test_compiled_guarded_copies_take_one_driver_copy_from_the_buffer_itself(monkeypatch):
+    # past the first (Python: pinned verified, the destination cached), a guarded copy is
+    # one copy through the launcher from the guard's buffer (no snapshot in the slot),
+    # with the destination's pitch and the view's; flush()'s body records the guard's
+    # event once a step
+    import cucopy as cc
+
+    c, Site, dev, fake, problems = _landing_copier("inline", events=True)
+    buf = dev.pinned_empty((6, 16), np.int32)
+    guard = cc.HostGuard(buf, label="mask")
+    table = dev.zeros((8, 12), np.int32)
+    flat = dev.zeros((2, 12), np.int32)
+    python = []
+    body = cc.DeviceCopier._copy_guarded
+    monkeypatch.setattr(
+        cc.DeviceCopier,
+        "_copy_guarded",
+        lambda self, site, *a: python.append(site) or body(self, site, *a),
+    )
+    for k in range(2 * c._ring.slots):
+        with guard.write():
+            buf[...] = np.arange(96, dtype=np.int32).reshape(6, 16) + k
+        copies = len(fake.copies)
+        with c.step():
+            c.copy(Site.A, table[:5, 2:9], buf[:5, 3:10], guard=guard)  # merged: in place
+            c.copy(Site.P, flat, buf[1:3, 4:], guard=guard)  # rows into a packed dst
+        guard.wait()
+        assert dev.to_host(table)[:5, 2:9].tolist() == buf[:5, 3:10].tolist()
+        assert dev.to_host(flat).tolist() == buf[1:3, 4:].tolist()
+        if k:
+            assert len(fake.copies) == copies + 2
+        assert guard._by_copier[c].ticket == k + 1  # the guard's event, once a step
+    assert python == [Site.A, Site.P] and c._fast_guarded == 2 * (2 * c._ring.slots - 1)
+    one, two = fake.copies[-2:]
+    assert one == (table.ptr + 8, 48, buf.ctypes.data + 12, 64, 28, 5, 77)
+    assert two == (flat.ptr, 48, buf.ctypes.data + 64 + 16, 64, 48, 2, 77)
+    st = c.stats.sites
+    assert st[Site.A].eager == st[Site.A].fallback["in_place"] == 2 * c._ring.slots
+    assert problems == []
+    guard.close()
+    c.close()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -577,6 +578,9 @@ def test_a_guard_is_made_over_host_memory_only():
 # -- the twins ---------------------------------------------------------------------------------------
 
 
+_fast_guarded: list = []  # the guarded copies each scenario's compiled case issued
+
+
 def _scenario(cc_mod, sim_mod, policy: str) -> tuple:
     """Guarded copies among merged ones, written through the guard: the device bytes and
     the stats, in one copy of cucopy (compiled or pure)."""
@@ -610,6 +614,7 @@ def _scenario(cc_mod, sim_mod, policy: str) -> tuple:
                 c.copy(S.MASK, pos[:k], buf[r - 1, :k], guard=g)
             c.copy(S.MASK, table[r - 1 :, 0], np.full(17 - r, step, np.int32))
     c.close()
+    _fast_guarded.append(c._fast_guarded)
     return dev.to_host(table).tobytes(), dev.to_host(pos).tobytes(), c.stats.sites[S.MASK].as_dict()
 
 
@@ -623,6 +628,8 @@ def test_both_cores_give_the_same_bytes(policy, monkeypatch):
     python = _scenario(pure.cc, pure.sim, policy)
     assert python == compiled
     assert compiled[2]["fallback"]["in_place"] == 40
+    if cc.copier._COMPILED:  # the compiled guarded copy took most of them
+        assert _fast_guarded[-2] > 20 and _fast_guarded[-1] == 0
 
 
 def test_check_mode_names_the_site_whose_copy_read_the_byte(check_mode):
@@ -668,3 +675,164 @@ def test_write_waits_for_the_guards_event_not_for_the_stream():
         w.buf[...] = 1
     w.s.synchronize()
     assert ran == ["model"]
+
+
+# -- the compiled common case (cucopy/_core/guard.c) -------------------------------------------
+
+needs_compiled = pytest.mark.skipif(
+    not getattr(cc.copier, "_COMPILED", False) or cc.guard._CompiledGuardCore is None,
+    reason="the compiled staging core is not in use (not built, or CUCOPY_PURE_PYTHON=1)",
+)
+
+
+def _python_copies_refused(monkeypatch, after: int = 0) -> list:
+    """Make DeviceCopier._copy_guarded (the Python path) raise after ``after`` calls;
+    returns the list of the sites it was called for."""
+    calls: list = []
+    body = cc.DeviceCopier._copy_guarded
+
+    def spy(self, site, *a):
+        calls.append(site)
+        if len(calls) > after:
+            raise AssertionError(f"{site}: the guarded copy ran in Python")
+        return body(self, site, *a)
+
+    monkeypatch.setattr(cc.DeviceCopier, "_copy_guarded", spy)
+    return calls
+
+
+@needs_compiled
+def test_guarded_copies_after_the_first_run_compiled_and_fence_as_the_python_path(monkeypatch):
+    """The first copy per (guard, copier) and destination goes through Python (pinned
+    verified, the destination cached); the rest run in C: one copy from the buffer
+    itself, the event owed once a step and recorded by flush()'s Python body, so that
+    write() waits for exactly those copies (a stalled stream holds them)."""
+    w = World()
+    with w.c.step():
+        w.c.copy(Site.MASK, w.dst, w.buf, guard=w.g)  # Python: pinned, dst cached
+        w.c.copy(Site.PLAIN, w.pos, w.buf[1], guard=w.g)
+    w.g.wait()
+    calls = _python_copies_refused(monkeypatch)
+    use = _use(w.g, w.c)
+    rows = w.dst[:3, 2:7]  # a view of a cached destination, made afresh
+    for k in range(6):
+        with w.g.write():
+            w.buf[...] = np.arange(32, dtype=np.int32).reshape(4, 8) + 100 * k
+        want = w.buf.copy()
+        hold = w.s.hold(stall=True)
+        hold.__enter__()
+        with w.c.step():
+            assert w.c.copy(Site.MASK, w.dst, w.buf, guard=w.g) is True
+            assert w.c.copy(Site.PLAIN, w.pos, w.buf[1], guard=w.g) is True
+            cc.copy(Site.MASK, rows, w.buf[:3, 1:6], guard=w.g)  # module level: routed
+            assert use.owed and w.c._guarded and len(w.c._guards_owed) == 1
+            assert w.g._active == [use] and use.timeout == w.c.wait_timeout
+            assert use.sites == {Site.MASK: 2, Site.PLAIN: 1}
+        assert not use.owed and not w.c._guarded and w.c._guards_owed == []
+        assert w.g.in_flight  # held: the copies have not run
+        done = []
+
+        def release(hold=hold, done=done):
+            time.sleep(0.05)
+            done.append(True)
+            hold.__exit__(None, None, None)
+
+        th = threading.Thread(target=release)
+        th.start()
+        with w.g.write():
+            assert done, "write() returned before the held copies ran"
+            got = w.host(w.dst).copy()
+            w.buf[...] = -1  # the copies read the buffer already
+        th.join()
+        want_dst = want.copy()
+        want_dst[:3, 2:7] = want[:3, 1:6]
+        assert (got == want_dst).all()
+        assert (w.host(w.dst) == want_dst).all()
+        assert w.host(w.pos).tolist() == want[1].tolist()
+        assert use.sites == {}
+    assert calls == [] and w.c._fast_guarded == 18
+    st = w.c.stats.sites
+    assert st[Site.MASK].eager == 13 and st[Site.MASK].fallback["in_place"] == 13
+    assert st[Site.PLAIN].eager == 7 and not st[Site.PLAIN].fallback
+
+
+@needs_compiled
+def test_what_the_compiled_case_leaves_to_python(monkeypatch, check_mode):
+    """Check mode, a copy outside a step, another copier and a destination over staged
+    bytes go to the Python path, which does what it always did."""
+    w = World()
+    with w.c.step():
+        w.c.copy(Site.MASK, w.dst, w.buf, guard=w.g)
+    calls = _python_copies_refused(monkeypatch, after=99)
+    with w.c.step():
+        w.c.copy(Site.MASK, w.dst, w.buf, guard=w.g)  # check mode: Python's
+    assert calls == [Site.MASK] and w.c._fast_guarded == 0
+    w.buf[0, 0] = 99  # without write(): check mode catches it
+    with pytest.raises(cc.CopyError, match=r"^Site\.MASK: HostGuard 'mask'.*byte 0 "):
+        w.g.wait()
+    check.CHECK_MODE = False
+    w.c.copy(Site.MASK, w.dst, w.buf, guard=w.g)  # outside a step
+    assert len(calls) == 2
+    c2 = cc.DeviceCopier(PLAN, stream=w.dev.stream(), device=w.dev)
+    with c2.step():
+        c2.copy(Site.MASK, w.dst, w.buf, guard=w.g)  # another copier: its use is Python's
+    with w.c.step():
+        w.c.copy(Site.MASK, w.dst, w.buf, guard=w.g)  # the last copier's use is c2's now
+        w.c.copy(Site.MASK, w.dst, w.buf, guard=w.g)  # C
+        w.c.copy(Site.POS, w.pos, np.ones(8, np.int32))  # staged
+        w.c.copy(Site.MASK, w.pos, w.buf[2], guard=w.g)  # over it: Python lands it first
+        assert w.c.staged == 0 and w.c.stats.eager_flushes == 1
+    assert len(calls) == 5 and w.c._fast_guarded == 1
+    w.g.wait()
+    assert w.host(w.pos).tolist() == w.buf[2].tolist()
+    c2.close()
+
+
+@needs_compiled
+@pytest.mark.parametrize("fn,exc,match", BAD)
+def test_bad_guarded_copies_are_refused_as_before_once_the_compiled_case_is_warm(fn, exc, match):
+    w = World()
+    with w.c.step():
+        w.c.copy(Site.MASK, w.dst, w.buf, guard=w.g)
+        w.c.copy(Site.MASK, w.dst, w.buf, guard=w.g)
+    assert w.c._fast_guarded == 1
+    w.g.wait()
+    w.dst[...] = 0
+    want = np.arange(8, dtype=np.int32) * 3
+    with w.c.step():
+        assert w.c.copy(Site.POS, w.pos, want.copy()) is True
+        with pytest.raises(exc, match=match):
+            fn(w)
+        assert w.c.staged == 1 and w.c.in_step
+    assert w.c._fast_guarded == 1
+    assert w.host(w.pos).tolist() == want.tolist()
+    assert (w.host(w.dst) == 0).all()  # nothing was issued
+
+
+@needs_compiled
+def test_a_buffer_changed_under_a_warm_guard_and_a_capture_are_refused_by_python():
+    w = World()
+    with w.c.step():
+        w.c.copy(Site.MASK, w.dst, w.buf, guard=w.g)
+        w.c.copy(Site.MASK, w.dst, w.buf, guard=w.g)
+    assert w.c._fast_guarded == 1
+    w.g.wait()
+    with warnings.catch_warnings():  # (NumPy 2.5 deprecates setting .shape)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        w.buf.shape = (8, 4)  # the array the guard was made over, reshaped in place
+    with w.c.step():
+        with pytest.raises(
+            cc.CopyError,
+            match=r"^Site\.MASK: guard=HostGuard 'mask' .*"
+            r"freed or reallocated .*shape \(4, 8\) -> \(8, 4\)",
+        ):
+            w.c.copy(Site.MASK, w.dst, w.buf.reshape(4, 8), guard=w.g)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        w.buf.shape = (4, 8)
+    with w.c.step():
+        w.c.copy(Site.MASK, w.dst, w.buf, guard=w.g)
+        with w.dev.capture(w.s):  # a capture begun after begin()
+            with pytest.raises(ValueError, match=r"^Site\.MASK: guard= is refused during"):
+                w.c.copy(Site.MASK, w.dst, w.buf, guard=w.g)
+    assert w.c._fast_guarded == 2

@@ -57,12 +57,19 @@ typedef struct {
      * that overrides one has it called, never the compiled path */
     int plain;
     PyObject *fastcopy; /* the class's copy when it is a FastCopy (cucopy.copy calls it) */
+    /* what a guarded copy's compiled case (guard.c) reads and writes: the copier's
+     * serial (never reused, unlike its address), wait_timeout, and _guards_owed (the
+     * (guard, use) pairs whose events flush() records) */
+    unsigned long long serial;
+    PyObject *wait_timeout, *guards_owed;
+    long long fast_guarded; /* guarded copies the compiled case issued */
 } CopierCore;
 #define PLAIN_BEGIN 1
 #define PLAIN_FLUSH 2
 
 #define COPIER_FIELDS(X) X(mode_str) X(seg) X(checker) X(feed) X(feed_pending) X(ring) \
-    X(slot) X(tables) X(stats) X(cap_query) X(cap_arg) X(launcher) X(handle) X(fastcopy)
+    X(slot) X(tables) X(stats) X(cap_query) X(cap_arg) X(launcher) X(handle) X(fastcopy) \
+    X(wait_timeout) X(guards_owed)
 
 GC_FIELDS(copiercore, CopierCore, COPIER_FIELDS)
 
@@ -552,10 +559,15 @@ static PyMemberDef copiercore_members[] = {
     MEMBER("_feed_pending", feed_pending) MEMBER("_ring", ring) MEMBER("_slot", slot)
     MEMBER("_tables", tables) MEMBER("stats", stats) MEMBER("_cap_query", cap_query)
     MEMBER("_cap_arg", cap_arg) MEMBER("_handle", handle)
+    MEMBER("wait_timeout", wait_timeout) MEMBER("_guards_owed", guards_owed)
+    {"_serial", T_ULONGLONG, offsetof(CopierCore, serial), READONLY,
+     "The copier's serial number (never reused): a HostGuard's use names its copier by it."},
     {"_fast_begins", T_LONGLONG, offsetof(CopierCore, fast_begins), READONLY,
      "Steps begun by _begin_fast."},
     {"_fast_flushes", T_LONGLONG, offsetof(CopierCore, fast_flushes), READONLY,
      "Segments landed by _flush_fast."},
+    {"_fast_guarded", T_LONGLONG, offsetof(CopierCore, fast_guarded), READONLY,
+     "copy(guard=) calls the compiled case issued (guard.c)."},
     {"_step_ctx", T_LONGLONG, offsetof(CopierCore, step_ctx), READONLY,
      "The Context (its address) the open step() block was entered in; 0: none."},
     {"_plain_bits", T_INT, offsetof(CopierCore, plain), READONLY,
@@ -623,6 +635,8 @@ static PyObject *copiercore_new(PyTypeObject *tp, PyObject *args, PyObject *kw) 
     CopierCore *c = (CopierCore *)PyType_GenericNew(tp, args, kw);
     if (!c) return NULL;
     c->cap_for = c->cap = c->mapped_max = -1; /* (DeviceCopier.__init__ sets them all) */
+    static unsigned long long serials; /* (the GIL is held) */
+    c->serial = ++serials;
     PyObject *m;
     if (S->plain_begin && type_lookup(tp, S->s_begin) == S->plain_begin) c->plain |= PLAIN_BEGIN;
     if (S->plain_flush && type_lookup(tp, S->s_flush) == S->plain_flush) c->plain |= PLAIN_FLUSH;

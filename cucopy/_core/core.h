@@ -77,7 +77,7 @@ typedef struct CoreState {
         *s_viewkw, *s_key, *s_exact, *s_data, *s_owned, *s_invalidate, *s_backend,
         *s_event_query, *s_inline, *s_mapped, *s_auto, *s_dma, *s_enter,
         *s_exit, *s_flush, *s_begin, *s_flush_failed, *s_flush_rest, *s_backend_attr,
-        *s_copy2d, *s_stream_attr, *s_begin_body;
+        *s_copy2d, *s_stream_attr, *s_begin_body, *s_guard;
     PyObject *ndarray_type; /* numpy.ndarray */
     PyObject *uint8_descr;  /* numpy.dtype("uint8") */
     PyObject *plain_begin;  /* DeviceCopier.begin (StepCore._plain_begin) */

@@ -25,11 +25,13 @@ static PyObject *core_seg(PyObject *self); /* a CopierCore's segment (borrowed),
 static PyObject *core_fastcopy(PyObject *self); /* its class's FastCopy (borrowed), or NULL */
 static int core_eager(PyObject *self, PyObject *site, PyObject *dst, PyObject *src,
                       PyObject *on_drop); /* the eager path's common case (copier.c) */
+static int core_guarded(PyObject *self, PyObject *site, PyObject *dst, PyObject *src,
+                        PyObject *guard, PyObject *on_drop); /* copy(guard=) (guard.c) */
 
 static PyObject *fastcopy_call(FastCopy *f, PyObject *const *args, size_t nargsf,
                                PyObject *kwnames) {
     Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
-    PyObject *on_drop = Py_None;
+    PyObject *on_drop = Py_None, *guard = Py_None;
     if (nargs != 4) goto full;
     if (kwnames) {
         Py_ssize_t nk = PyTuple_GET_SIZE(kwnames);
@@ -37,10 +39,17 @@ static PyObject *fastcopy_call(FastCopy *f, PyObject *const *args, size_t nargsf
             PyObject *k = PyTuple_GET_ITEM(kwnames, i), *v = args[nargs + i];
             if (k == S->s_on_drop) on_drop = v;
             else if (k == S->s_unchanged && v == Py_False) continue;
+            else if (k == S->s_guard) guard = v;
             else goto full; /* unchanged=True, or anything unusual */
         }
     }
     PyObject *self = args[0];
+    if (guard != Py_None) { /* read in place: its common case in C, else the Python copy */
+        int code = core_guarded(self, args[1], args[2], args[3], guard, on_drop);
+        if (code < 0) return NULL;
+        if (code == STAGED) Py_RETURN_TRUE;
+        goto full;
+    }
     PyObject *seg = core_seg(self); /* the member itself, no attribute lookup */
     if (seg) Py_INCREF(seg);
     else seg = PyObject_GetAttr(self, S->s_seg);

@@ -13,6 +13,7 @@
 #include "buffer.c"
 #include "ring.c"
 #include "copier.c"
+#include "guard.c"
 
 /* each interned name of the state, and its text */
 #define NAME(f, text) {offsetof(CoreState, f), text},
@@ -32,7 +33,7 @@ static const struct {
     NAME(s_auto, "auto") NAME(s_dma, "dma") NAME(s_enter, "_enter") NAME(s_exit, "_exit")
     NAME(s_flush, "flush") NAME(s_begin, "begin") NAME(s_flush_failed, "_flush_failed")
     NAME(s_flush_rest, "_flush_rest") NAME(s_backend_attr, "_backend")
-    NAME(s_copy2d, "copy2d") NAME(s_stream_attr, "_stream") NAME(s_begin_body, "_begin_body")
+    NAME(s_copy2d, "copy2d") NAME(s_stream_attr, "_stream") NAME(s_begin_body, "_begin_body") NAME(s_guard, "guard")
 };
 #undef NAME
 #define NAMED(st, i) ((PyObject **)((char *)(st) + names[i].off))
@@ -91,6 +92,7 @@ static void module_free(void *m) {
 static PyTypeObject *const types[] = {
     &EntryType, &CachedType, &SegmentType, &FastCopyType, &FastRouteType, &WindowMaxType,
     &SlotCoreType, &RingCoreType, &CopierCoreType, &StepCoreType, &ActivationType,
+    &UseCoreType, &GuardCoreType,
 };
 
 static int module_exec(PyObject *m) {
@@ -125,15 +127,17 @@ static int module_exec(PyObject *m) {
     CopierCoreType.tp_new = copiercore_new;
     CopierCoreType.tp_getset = copiercore_getset;
     ActivationType.tp_init = (initproc)activation_init;
+    UseCoreType.tp_new = usecore_new;
     for (size_t i = 0; i < sizeof types / sizeof types[0]; i++)
         if (PyType_Ready(types[i]) < 0) return -1;
     static const char *const exported[] = {
         "Segment", "Entry", "FastCopy", "FastRoute", "WindowMax", "SlotCore",
-        "RingCore", "CopierCore", "StepCore", "Activation",
+        "RingCore", "CopierCore", "StepCore", "Activation", "UseCore", "GuardCore",
     };
     PyTypeObject *const etypes[] = {
         &SegmentType, &EntryType, &FastCopyType, &FastRouteType, &WindowMaxType,
         &SlotCoreType, &RingCoreType, &CopierCoreType, &StepCoreType, &ActivationType,
+        &UseCoreType, &GuardCoreType,
     };
     for (size_t i = 0; i < sizeof exported / sizeof exported[0]; i++)
         if (PyModule_AddObjectRef(m, exported[i], (PyObject *)etypes[i]) < 0) return -1;

@@ -442,6 +442,8 @@ static int contains(PyObject *set, PyObject *key) {
 #define SITE_MERGE 2
 #define SITE_BARRIER 4
 #define SITE_EAGER 8 /* an H2D site the plan does not merge: the compiled eager path's */
+#define SITE_IN_PLACE 16 /* a merged site with copies read in place (guard.c): its eager
+                          * count is folded with fallback["in_place"] */
 static int site_flags(Segment *s, PyObject *site);
 
 

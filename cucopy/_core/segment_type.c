@@ -90,7 +90,8 @@ static int site_flags(Segment *s, PyObject *site) {
     }
     if (s->ccap) {
         Py_ssize_t i = count_slot(s->ckeys, s->ccap, site);
-        if (s->ckeys[i] == site && (s->cflags[i] & SITE_KNOWN)) return s->cflags[i] & ~SITE_KNOWN;
+        if (s->ckeys[i] == site && (s->cflags[i] & SITE_KNOWN))
+            return s->cflags[i] & ~(SITE_KNOWN | SITE_IN_PLACE);
     }
     int m = contains(s->merge, site);
     int b = m == 1 ? contains(s->barriers, site) : 0;
@@ -99,7 +100,7 @@ static int site_flags(Segment *s, PyObject *site) {
     int f = (m ? SITE_MERGE : 0) | (b ? SITE_BARRIER : 0) | e;
     Py_ssize_t i = count_index(s, site);
     if (i < 0) return -1;
-    s->cflags[i] = (unsigned char)(f | SITE_KNOWN);
+    s->cflags[i] = (unsigned char)(f | SITE_KNOWN | (s->cflags[i] & SITE_IN_PLACE));
     return f;
 }
 
@@ -122,12 +123,15 @@ static PyObject *seg_fold(Segment *s, PyObject *unused) {
 }
 
 static PyObject *seg_fold_eager(Segment *s, PyObject *unused) {
-    /* {site: eager copies the compiled eager path issued since the last fold} */
+    /* {site: eager copies the compiled eager path issued since the last fold}; a merged
+     * site's (read in place through a guard) as (n, "in_place"), its fallback reason */
     PyObject *out = PyDict_New();
     if (!out) return NULL;
     for (Py_ssize_t i = 0; i < s->ccap; i++) {
         if (!s->ckeys[i] || !s->evals[i]) continue;
-        PyObject *v = PyLong_FromSsize_t(s->evals[i]);
+        PyObject *v = s->cflags[i] & SITE_IN_PLACE
+                          ? Py_BuildValue("(ns)", s->evals[i], "in_place")
+                          : PyLong_FromSsize_t(s->evals[i]);
         if (!v || PyDict_SetItem(out, s->ckeys[i], v) < 0) {
             Py_XDECREF(v);
             Py_DECREF(out);

@@ -699,6 +699,8 @@ class CudaBackend(Backend):
     """
 
     name = "cuda"
+    #: the compiled driver calls once bound (set per backend by _get_kernels)
+    _bound = None
 
     def __init__(self, device: int | None = None):
         _load()
@@ -977,9 +979,19 @@ class CudaBackend(Backend):
     def copy2d(
         self, h2d: bool, dst: int, dpitch: int, src: int, spitch: int, width: int, rows: int, stream
     ) -> None:
-        """Enqueue ``cudaMemcpyAsync`` (one row) or ``cudaMemcpy2DAsync``."""
+        """Enqueue ``cudaMemcpyAsync`` (one row) or ``cudaMemcpy2DAsync``.
+
+        An H2D copy goes through the compiled driver once it is bound (one
+        ``cuMemcpyHtoDAsync`` or ``cuMemcpy2DAsync`` from C, the GIL kept); with
+        another device current, a pitch past the 2-D limit or a failed call, the copy
+        is made (and its failure reported) through CuPy below.
+        """
         if width <= 0 or rows <= 0:
             return
+        fast = self._bound
+        if fast is not None and h2d and type(stream) is int:
+            if not fast.copy(dst, dpitch, src, spitch, width, rows, stream):
+                return
         if _getDevice() != self.device:
             return self._on_device(self.copy2d, h2d, dst, dpitch, src, spitch, width, rows, stream)
         kind = _H2D if h2d else _D2D
@@ -1211,7 +1223,16 @@ class CudaBackend(Backend):
             raise self._error("cudaEventCreateWithFlags", e) from e
 
     def event_record(self, event, stream) -> None:
-        """Record ``event`` on ``stream``."""
+        """Record ``event`` on ``stream``.
+
+        Through the compiled driver once it is bound (``cuEventRecord`` from C, the GIL
+        kept); with another device current or a failed call, through CuPy below, which
+        records it or reports the failure.
+        """
+        fast = self._bound
+        if fast is not None and type(event) is int and type(stream) is int:
+            if not fast.event_record(event, stream):
+                return
         if _getDevice() != self.device:
             return self._on_device(self.event_record, event, stream)
         try:

@@ -1,0 +1,335 @@
+/* guard.c: HostGuard's fields and a guarded copy's common case, compiled
+ *
+ * Part of the compiled core's one translation unit (module.c includes every
+ * file of this folder in dependency order; README.md says why). */
+#ifndef CUCOPY_UNITY
+#error "compiled only through module.c"
+#endif
+
+/* -- UseCore: what a guard knows of one copier's copies (guard._Use's fields) -------
+ *
+ * ``cucopy.guard._Use`` subclasses it. The fields a guarded copy updates are typed:
+ * ``owed`` a C boolean, ``timeout`` and ``sites`` (site -> copies not known complete)
+ * the objects Python assigned; ``_serial`` the copier's (CopierCore's serial, taken
+ * when the use is made: a copier's address may be reused, its serial never). */
+
+typedef struct {
+    PyObject_HEAD
+    char owed; /* owed: copies issued since the event was last recorded */
+    unsigned long long serial; /* _serial: the copier's (0: not a CopierCore) */
+    PyObject *timeout, *sites;
+} UseCore;
+
+#define USE_FIELDS(X) X(timeout) X(sites)
+GC_FIELDS(usecore, UseCore, USE_FIELDS)
+
+static PyObject *usecore_new(PyTypeObject *tp, PyObject *args, PyObject *kw) {
+    UseCore *u = (UseCore *)PyType_GenericNew(tp, args, kw);
+    if (!u) return NULL;
+    if (PyTuple_Check(args) && PyTuple_GET_SIZE(args) >= 1) {
+        PyObject *copier = PyTuple_GET_ITEM(args, 0);
+        if (is_core(copier)) u->serial = ((CopierCore *)copier)->serial;
+    }
+    return (PyObject *)u;
+}
+
+static PyMemberDef usecore_members[] = {
+    {"owed", T_BOOL, offsetof(UseCore, owed), 0, NULL},
+    {"timeout", T_OBJECT_EX, offsetof(UseCore, timeout), 0, NULL},
+    {"sites", T_OBJECT_EX, offsetof(UseCore, sites), 0, NULL},
+    {"_serial", T_ULONGLONG, offsetof(UseCore, serial), READONLY,
+     "The serial of the copier the use was made for (0: none)."},
+    {NULL},
+};
+
+static PyTypeObject UseCoreType = CORE_TYPE(usecore, UseCore, NULL,
+    "A guard's bookkeeping of one copier's in-place copies (guard._Use's typed fields).");
+
+/* -- GuardCore: HostGuard's fields a guarded copy reads --------------------------- */
+
+typedef struct {
+    PyObject_HEAD
+    char closed;                /* _closed */
+    unsigned long long lo, hi;  /* _lo, _hi: the buffer's bytes */
+    PyObject *buf, *geom;       /* _buf (None once closed), _geom (ptr, shape, strides, dtype) */
+    PyObject *active;           /* _active: the uses whose copies may be in flight */
+    PyObject *fast_use;         /* _fast_use: the use the last copier found pinned (or None) */
+} GuardCore;
+
+#define GUARD_FIELDS(X) X(buf) X(geom) X(active) X(fast_use)
+GC_FIELDS(guardcore, GuardCore, GUARD_FIELDS)
+
+static PyMemberDef guardcore_members[] = {
+    {"_closed", T_BOOL, offsetof(GuardCore, closed), 0, NULL},
+    {"_lo", T_ULONGLONG, offsetof(GuardCore, lo), 0, NULL},
+    {"_hi", T_ULONGLONG, offsetof(GuardCore, hi), 0, NULL},
+    {"_buf", T_OBJECT, offsetof(GuardCore, buf), 0, NULL},
+    {"_geom", T_OBJECT_EX, offsetof(GuardCore, geom), 0, NULL},
+    {"_active", T_OBJECT_EX, offsetof(GuardCore, active), 0, NULL},
+    {"_fast_use", T_OBJECT, offsetof(GuardCore, fast_use), 0, NULL},
+    {NULL},
+};
+
+static PyTypeObject GuardCoreType = CORE_TYPE(guardcore, GuardCore, NULL,
+    "HostGuard's typed fields, which a guarded copy's compiled common case reads.");
+
+/* whether int object o is v (0 for anything else) */
+static int int_is(PyObject *o, long long v) {
+    if (!PyLong_CheckExact(o)) return 0;
+    int overflow = 0;
+    long long x = PyLong_AsLongLongAndOverflow(o, &overflow);
+    if (x == -1 && PyErr_Occurred()) { PyErr_Clear(); return 0; }
+    return !overflow && x == v;
+}
+
+/* whether tuple t holds exactly the n values v */
+static int tuple_is(PyObject *t, int n, const Py_ssize_t *v) {
+    if (!PyTuple_CheckExact(t) || PyTuple_GET_SIZE(t) != n) return 0;
+    for (int i = 0; i < n; i++)
+        if (!int_is(PyTuple_GET_ITEM(t, i), (long long)v[i])) return 0;
+    return 1;
+}
+
+/* The guard's buffer is the NumPy array it was made over, unchanged: what _check_alive
+ * compares (ptr, shape, strides, dtype), read from the array's fields. 0 for anything
+ * else (another kind of buffer: the Python path checks it). Runs no Python code. */
+static int guard_alive(GuardCore *gd) {
+    PyObject *buf = gd->buf, *geom = gd->geom;
+    if (!buf || (PyObject *)Py_TYPE(buf) != S->ndarray_type || !(S->foreign & FOREIGN_NUMPY) ||
+        !geom || !PyTuple_CheckExact(geom) || PyTuple_GET_SIZE(geom) != 4)
+        return 0;
+    NpArray *a = (NpArray *)buf;
+    PyObject *ptr = PyTuple_GET_ITEM(geom, 0);
+    if (!PyLong_CheckExact(ptr)) return 0;
+    unsigned long long p = PyLong_AsUnsignedLongLong(ptr);
+    if (p == (unsigned long long)-1 && PyErr_Occurred()) { PyErr_Clear(); return 0; }
+    return p == (unsigned long long)(uintptr_t)a->data &&
+           tuple_is(PyTuple_GET_ITEM(geom, 1), a->nd, a->dimensions) &&
+           tuple_is(PyTuple_GET_ITEM(geom, 2), a->nd, a->strides) &&
+           PyTuple_GET_ITEM(geom, 3) == a->descr;
+}
+
+/* the guard's use for copier c when the compiled path may take the copy, else NULL
+ * (borrowed): the copier open, in this thread's step, not capturing, not in check
+ * mode; the guard open over its buffer alive, the buffer found pinned for this copier
+ * (the use Python's _use() left in _fast_use, made for this copier), the fields the
+ * bookkeeping writes of the types it writes. Runs no Python code. */
+static UseCore *guard_use(CopierCore *c, GuardCore *gd, uint64_t me) {
+    if (!core_usable(c, me) || !c->in_step || c->capturing || S->check_mode || gd->closed ||
+        !c->serial || !c->guards_owed || !PyList_CheckExact(c->guards_owed) ||
+        !c->wait_timeout || !gd->active || !PyList_CheckExact(gd->active) || !gd->fast_use ||
+        !PyObject_TypeCheck(gd->fast_use, &UseCoreType))
+        return NULL;
+    UseCore *u = (UseCore *)gd->fast_use;
+    if (u->serial != c->serial || !u->sites || !PyDict_CheckExact(u->sites) || !guard_alive(gd))
+        return NULL;
+    return u;
+}
+
+/* One in-place copy: dst's rows from src's, read where src lies. */
+typedef struct {
+    Geo g;           /* the destination (g.hold held) */
+    addr_t src;      /* the source's first byte */
+    int64_t dpitch, spitch, width, rows;
+    addr_t slo, shi; /* the bytes the copy reads */
+} InPlace;
+
+/* The copy of a cached destination from a NumPy array (contiguous, or rows of packed
+ * elements: buf[:r, :c]) or a cached source, as _in_place makes it when it is one
+ * 2-D copy (_pair's three cases); 1 (p->g.hold held), 0 a miss, -1 an error. */
+static int inplace_pair(Segment *s, PyObject *dst, PyObject *src, InPlace *p) {
+    Geo *g = &p->g;
+    int r = dst_geo(s, dst, g);
+    if (r <= 0) return r;
+    int64_t srows = 1, swidth = g->nbytes, spitch = g->nbytes;
+    if ((PyObject *)Py_TYPE(src) == S->ndarray_type && (S->foreign & FOREIGN_NUMPY)) {
+        NpArray *a = (NpArray *)src;
+        if (a->descr != g->dtype || a->nd > MAXDIM) goto miss;
+        int64_t n = 1;
+        for (int i = 0; i < a->nd; i++) n *= a->dimensions[i];
+        if (n * g->itemsize != g->nbytes || !shape_fits(a->nd, a->dimensions, g->ndim, g->shape))
+            goto miss;
+        p->src = (addr_t)(uintptr_t)a->data;
+        if (a->flags & NPY_C_CONTIGUOUS_FLAG) {
+            /* packed: one row */
+        } else if (a->nd == 2 && a->dimensions[0] > 1 && a->dimensions[1] > 1 &&
+                   a->strides[1] == g->itemsize &&
+                   a->strides[0] >= a->dimensions[1] * g->itemsize) {
+            srows = a->dimensions[0]; /* rows of packed elements, a pitch apart */
+            swidth = a->dimensions[1] * g->itemsize;
+            spitch = a->strides[0];
+        } else
+            goto miss;
+    } else if ((PyObject *)Py_TYPE(src) != S->ndarray_type) {
+        Cached *sc = (Cached *)front_get(&s->sfront, s->scache, src);
+        if (!sc) { if (PyErr_Occurred()) goto fail; goto miss; }
+        Py_INCREF(sc);
+        int v = 0;
+        if (sc->nbytes == g->nbytes && sc->ndim >= 0 &&
+            shape_fits(sc->ndim, (const Py_ssize_t *)sc->shape, g->ndim, g->shape)) {
+            int eq = sc->dtype == g->dtype ? 1
+                                           : PyObject_RichCompareBool(sc->dtype, g->dtype, Py_EQ);
+            if (eq < 0) v = soft_clear() < 0 ? -1 : 0;
+            else if (eq == 1) v = cached_valid(sc, src);
+        }
+        addr_t sp = sc->ptr;
+        Py_DECREF(sc);
+        if (v < 0) goto fail;
+        if (v == 0) goto miss;
+        p->src = sp; /* a cached source is packed */
+    } else {
+        goto miss; /* a NumPy array read through the public path: the Python path's */
+    }
+    if (!g->nbytes) goto miss; /* nothing to copy: the Python path answers False */
+    if (g->rows == srows && g->width == swidth) { /* the same rows */
+        p->rows = srows; p->width = swidth; p->dpitch = g->pitch; p->spitch = spitch;
+    } else if (srows == 1 && g->rows * g->width == swidth) { /* a packed source */
+        p->rows = g->rows; p->width = g->width; p->dpitch = g->pitch; p->spitch = g->width;
+    } else if (g->rows == 1 && srows * swidth == g->width) { /* a packed destination */
+        p->rows = srows; p->width = swidth; p->dpitch = swidth; p->spitch = spitch;
+    } else
+        goto miss;
+    p->slo = p->src;
+    p->shi = p->src + (addr_t)((srows - 1) * spitch + swidth);
+    return 1;
+miss:
+    Py_DECREF(g->hold);
+    return 0;
+fail:
+    Py_DECREF(g->hold);
+    return -1;
+}
+
+/* use->sites[site] += 1 (a CopySite hashes by identity: no Python code); -1 on error */
+static int use_count(UseCore *u, PyObject *site) {
+    PyObject *n = PyDict_GetItemWithError(u->sites, site);
+    if (!n && PyErr_Occurred()) return -1;
+    Py_ssize_t v = 0;
+    if (n) {
+        if (!PyLong_CheckExact(n)) { PyErr_SetString(PyExc_TypeError, "use.sites"); return -1; }
+        v = PyLong_AsSsize_t(n);
+        if (v == -1 && PyErr_Occurred()) return -1;
+    }
+    PyObject *m = PyLong_FromSsize_t(v + 1);
+    if (!m) return -1;
+    int rc = PyDict_SetItem(u->sites, site, m);
+    Py_DECREF(m);
+    return rc;
+}
+
+/* -- a guarded copy's common case (DeviceCopier._copy_guarded's step branch) --------
+ *
+ * ``copy(site, dst, src, guard=g)`` of an H2D site (merged or not) in this thread's
+ * open step (not under capture, not in check mode), of a cached destination from a
+ * view of the guard's buffer that guard_use and inplace_pair take, the destination
+ * over nothing staged: one driver copy from the buffer itself (the launcher's copy();
+ * the backend's copy2d without one), the slot marked dirty, the guard's bookkeeping
+ * as guard._issued keeps it (use.sites, use.timeout; the first copy of a step makes
+ * the use owed, puts it in the guard's _active and (guard, use) in the copier's
+ * _guards_owed, whose event flush()'s Python body records), the copy counted eager
+ * (fold_eager; a merged site's with fallback "in_place"). Anything else is the Python
+ * path's (MISS), which asks everything again and names the site and the buffer in its
+ * errors. STAGED: issued. */
+static int core_guarded(PyObject *self, PyObject *site, PyObject *dst, PyObject *src,
+                        PyObject *guard, PyObject *on_drop) {
+    if (!is_core(self) || !PyObject_TypeCheck(guard, &GuardCoreType)) return MISS;
+    CopierCore *c = (CopierCore *)self;
+    GuardCore *gd = (GuardCore *)guard;
+    uint64_t me = thread_id();
+    if (!guard_use(c, gd, me)) return MISS;
+    Segment *s = (Segment *)c->seg;
+    if (!seg_usable(s) || !s->slot || !PyObject_TypeCheck(s->slot, &SlotCoreType) ||
+        (on_drop != Py_None && !PyCallable_Check(on_drop)))
+        return MISS;
+    int fl = site_flags(s, site);
+    if (fl < 0) return soft_clear() < 0 ? -1 : MISS;
+    if (!(fl & (SITE_MERGE | SITE_EAGER))) return MISS; /* (the plan merges H2D sites only) */
+    Py_INCREF(s); /* held: what follows may run Python code (a fingerprint, the query) */
+    Py_INCREF(gd);
+    int out = MISS;
+    CarriedLauncher *L = core_launcher(c);
+    int idle = not_capturing(c, L, 0);
+    if (idle <= 0) { out = idle < 0 ? -1 : MISS; goto done; }
+    InPlace p;
+    int r = inplace_pair(s, dst, src, &p);
+    if (r <= 0) { out = r < 0 ? -1 : MISS; goto done; }
+    /* the fingerprints may have run Python code: everything asked again, then nothing
+     * but C until the copy is issued */
+    UseCore *u = c->seg == (PyObject *)s && seg_usable(s) ? guard_use(c, gd, me) : NULL;
+    if (!u || !s->slot || !PyObject_TypeCheck(s->slot, &SlotCoreType) ||
+        p.slo < gd->lo || p.shi > gd->hi ||      /* not a view of the buffer: Python's error */
+        staged_overlaps(s, p.g.lo, p.g.hi, 1)) { /* staged copies land first: Python's */
+        Py_DECREF(p.g.hold);
+        goto done;
+    }
+    Py_INCREF(u);
+    SlotCore *slot = (SlotCore *)s->slot;
+    /* the copy reads no slot bytes; the slot is marked dirty so that its event (and the
+     * flush's Python body, which records the guard's) follows the step's work */
+    Py_SETREF(slot->dirty, Py_NewRef(Py_True));
+    unsigned long long stream;
+    int rc = -1;
+    if (L && L->copy && c->handle && u64_field(c->handle, &stream))
+        rc = L->copy(L->drv, p.g.ptr, (unsigned long long)p.dpitch,
+                     (const void *)(uintptr_t)p.src, (unsigned long long)p.spitch,
+                     (unsigned long long)p.width, (unsigned long long)p.rows, stream);
+    PyErr_Clear(); /* (u64_field on a handle that is not an int) */
+    Py_DECREF(p.g.hold);
+    if (rc != 0) {
+        /* no C copy (the simulator, another context current) or a failed one: the
+         * backend's copy2d, which copies or raises the error it reports */
+        PyObject *be = PyObject_GetAttr(self, S->s_backend_attr);
+        PyObject *fn = be ? PyObject_GetAttr(be, S->s_copy2d) : NULL;
+        PyObject *st = fn ? PyObject_GetAttr(self, S->s_stream_attr) : NULL;
+        PyObject *a1 = st ? PyLong_FromUnsignedLongLong(p.g.ptr) : NULL;
+        PyObject *a2 = a1 ? PyLong_FromLongLong(p.dpitch) : NULL;
+        PyObject *a3 = a2 ? PyLong_FromUnsignedLongLong(p.src) : NULL;
+        PyObject *a4 = a3 ? PyLong_FromLongLong(p.spitch) : NULL;
+        PyObject *a5 = a4 ? PyLong_FromLongLong(p.width) : NULL;
+        PyObject *a6 = a5 ? PyLong_FromLongLong(p.rows) : NULL;
+        PyObject *res = NULL;
+        if (a6) {
+            PyObject *v[8] = {Py_True, a1, a2, a3, a4, a5, a6, st};
+            res = PyObject_Vectorcall(fn, v, 8, NULL);
+        }
+        Py_XDECREF(be); Py_XDECREF(fn); Py_XDECREF(st);
+        Py_XDECREF(a1); Py_XDECREF(a2); Py_XDECREF(a3); Py_XDECREF(a4); Py_XDECREF(a5);
+        Py_XDECREF(a6);
+        if (!res) { Py_DECREF(u); out = -1; goto done; }
+        Py_DECREF(res);
+    }
+    /* guard._issued(copier, use, site, reads, True), outside check mode */
+    out = -1;
+    if (!PyDict_CheckExact(u->sites) || use_count(u, site) < 0) goto issued;
+    if (c->wait_timeout) Py_SETREF(u->timeout, Py_NewRef(c->wait_timeout));
+    if (!u->owed) {
+        if (!gd->active || !PyList_CheckExact(gd->active) || !c->guards_owed ||
+            !PyList_CheckExact(c->guards_owed)) {
+            PyErr_SetString(PyExc_TypeError, "guard._active, copier._guards_owed: lists");
+            goto issued;
+        }
+        PyObject *active = gd->active;
+        Py_ssize_t k = 0, n = PyList_GET_SIZE(active);
+        while (k < n && PyList_GET_ITEM(active, k) != (PyObject *)u) k++;
+        if (k == n && PyList_Append(active, (PyObject *)u) < 0) goto issued;
+        PyObject *pair = PyTuple_Pack(2, (PyObject *)gd, (PyObject *)u);
+        if (!pair) goto issued;
+        int ap = PyList_Append(c->guards_owed, pair);
+        Py_DECREF(pair);
+        if (ap < 0) goto issued;
+        u->owed = 1;
+    }
+    c->guarded = 1; /* the compiled flush leaves the guard's event to Python's */
+    Py_ssize_t i = count_index(s, site); /* its eager count (stats.sites[site].eager) */
+    if (i < 0) goto issued;
+    s->evals[i]++;
+    if (fl & SITE_MERGE) s->cflags[i] |= SITE_IN_PLACE; /* fallback["in_place"] too */
+    c->fast_guarded++;
+    out = STAGED;
+issued:
+    Py_DECREF(u);
+done:
+    Py_DECREF(gd);
+    Py_DECREF(s);
+    return out;
+}
