@@ -324,20 +324,22 @@ class HostGuard(_GuardBase):  # type: ignore[misc,valid-type]
                 if use.owed:
                     self._record(use, what)
                 if use.recorded:
-                    waits.append((use, use.ticket, use.names()))
-        for use, ticket, names in waits:
+                    waits.append((use, use.ticket))
+        for use, ticket in waits:
+            # (an error names the sites whose copies it waited for: use.sites, which only
+            # a fence clears, read when it is raised)
             t0 = time.monotonic()
             try:
                 done = use.backend.event_wait(use.event, use.timeout)
             except CopyError as exc:
                 raise CopyError(
-                    f"{names}: {self._name()}: {what}: waiting for the copies that read it "
+                    f"{use.names()}: {self._name()}: {what}: waiting for the copies that read it "
                     f"in place failed: {exc}"
                 ) from exc
             if not done:
                 spent = time.monotonic() - t0
                 raise CopyError(
-                    f"{names}: {self._name()}: {what}: waited {spent:.3g} s "
+                    f"{use.names()}: {self._name()}: {what}: waited {spent:.3g} s "
                     f"(wait_timeout={use.timeout:g} s) for the copies that read the buffer "
                     f"in place on stream {use.stream_obj!r} ({use.where}); they have not "
                     "completed (a hung or stalled kernel on that stream?). Nothing was "
