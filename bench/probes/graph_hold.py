@@ -14,6 +14,7 @@ Each scenario runs behind its own hold (a kernel that spins on a mapped flag, gi
 after ``--hold-s``): the calls are timed one by one, and a call that takes most of the
 hold's limit blocked until the kernel gave up. The segments are zeroed mapped memory (the
 kernel's header check returns at once; a tagged launch still writes its tag).
+Answer: ``bench/results/2026-12-04-h200-run57/logs/graph_hold.log``.
 """
 
 from __future__ import annotations
