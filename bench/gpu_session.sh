@@ -160,7 +160,8 @@ step hot_path 40 "$PY" bench/probes/hot_path.py --n 32
 # without the slot's completion tag, and the summary of issue 29's two ratios)
 step step_phases 100 "$PY" bench/probes/step_phases.py --n 32
 # which graphed launch (made now or before, tagged or not) blocks behind a held stream
-step graph_hold 40 "$PY" bench/probes/graph_hold.py --hold-s 2
+step graph_hold 60 bash -c "\"$PY\" bench/probes/graph_hold.py --hold-s 2 &&
+    \"$PY\" bench/probes/graph_hold.py --program 2 --mode mapped --hold-s 2"
 step step_phases_n 60 bash -c "for n in 8 128; do \"$PY\" bench/probes/step_phases.py --n \$n --steps 1000 --no-floors | grep -E '^N='; done"
 # a copy's host cost as a multiple of an empty call (simulated device, both staging paths)
 # the driver's own host cost of one launch (and other stream operations), from C
