@@ -230,6 +230,7 @@ class CopierCore:
     _cap: int
     _stepping: bool
     _guarded: bool
+    _watching: bool
     stats: object
     _cap_query: object
     _cap_arg: object
@@ -247,6 +248,8 @@ class CopierCore:
     def _fast_flushes(self) -> int: ...
     @property
     def _fast_guarded(self) -> int: ...
+    @property
+    def _fast_fenced(self) -> int: ...
     @property
     def _serial(self) -> int: ...
     @property
@@ -294,6 +297,10 @@ class Activation:
 @disjoint_base
 class UseCore:
     owed: bool
+    recorded: bool
+    ticket: int
+    event: object
+    stream: object
     timeout: object
     sites: object
     @property

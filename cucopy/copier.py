@@ -259,6 +259,7 @@ class PyCopierCore:
         "_cap",
         "_stepping",
         "_guarded",
+        "_watching",
         "stats",
         "_cap_query",
         "_cap_arg",
@@ -288,6 +289,11 @@ class PyCopierCore:
     @property
     def _fast_guarded(self) -> int:
         """Guarded copies the compiled case issued (always 0 here: there is none)."""
+        return 0
+
+    @property
+    def _fast_fenced(self) -> int:
+        """Guard events the compiled flush recorded (always 0 here: there is none)."""
         return 0
 
     # No _begin_fast, _flush_fast or _take_counts: where the core is not compiled,
@@ -458,8 +464,9 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
         # (HostGuard._issued appends (guard, use) once per step), and, in check mode,
         # the guards whose read bytes each flush verifies
         self._guards_owed: list = []
-        self._guarded = False  # guards owed (the compiled flush declines while set)
+        self._guarded = False  # guards owed (the compiled flush records their events)
         self._guards_watched: weakref.WeakSet = weakref.WeakSet()
+        self._watching = False  # guards watched (the compiled flush declines while set)
         self._try_h2d = self._seg.try_h2d
         # collected without close(): the ring is set aside, not freed by the collector
         self._finalizer = weakref.finalize(
@@ -736,7 +743,7 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
         if self._closed or (self._in_step and self._owner != _thread_id()):
             self._live()  # raises
         seg = self._seg
-        if not seg.staged and self._checker is None:
+        if not seg.staged and self._checker is None and not self._guards_owed:
             slot = self._ring.current
             if slot is None or not slot.dirty:
                 return  # nothing to land, no event to record: no capture query either
@@ -761,9 +768,10 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
         """The step's in-place copies are issued: record each guard's event once.
 
         Then (``verify``), in check mode, verify that the bytes they read are unchanged
-        since, naming the site when not (:class:`~cucopy.HostGuard`). (A copy
-        through a guard dirties the slot, so the compiled flush leaves the step's end
-        to :meth:`_flush_rest`, which calls this.)
+        since, naming the site when not (:class:`~cucopy.HostGuard`). (The compiled
+        flush records the events itself when it can: ``_core/guard.c``,
+        ``fence_guards``; else, and for check mode's guards (``_watching``), it leaves
+        the step's end to :meth:`_flush_rest`, which calls this.)
         """
         owed, self._guards_owed = self._guards_owed, []
         try:
@@ -785,6 +793,7 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
                     continue
                 with guard._lock:
                     guard._verify("the copier's flush", None)
+        self._watching = bool(self._guards_watched)
 
     def discard(self) -> None:
         """Drop everything staged and not yet flushed, calling each copy's ``on_drop``.
@@ -1223,11 +1232,11 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
                 self._order_flush()  # staged copies into (or reading) dst land first
             for dp, dpitch, sp, spitch, width, rows in copies:
                 copy2d(True, dp, dpitch, sp, spitch, width, rows, stream)
-            # the slot's event then follows the step's work, and the compiled flush
-            # leaves the step's end to _flush_rest, which records the guard's event
+            # the slot's event then follows the step's work, and the guard's after it
+            # (the compiled flush's, else _flush_rest's: _fence_guards)
             self._slot.dirty = True
             guard._issued(self, use, site, reads, True)
-            self._guarded = bool(self._guards_owed)  # the compiled flush leaves them to Python
+            self._guarded = bool(self._guards_owed)
         else:
             if self._seg.staged:  # a graph step not replayed yet: it comes first
                 self._flush_segment()

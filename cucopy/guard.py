@@ -64,10 +64,12 @@ def _raw(lo: int, hi: int) -> np.ndarray:
     return np.ctypeslib.as_array((ctypes.c_ubyte * (hi - lo)).from_address(lo))
 
 
-#: the fields a guarded copy's compiled case writes (``cucopy._segment.UseCore``'s,
-#: typed there: ``owed`` a C boolean), or a plain base
+#: the fields a guarded copy's compiled case and the compiled flush write and read
+#: (``cucopy._segment.UseCore``'s, typed there: ``owed`` and ``recorded`` C booleans,
+#: ``ticket`` a C integer, ``event`` and ``stream`` read as raw handles when they are
+#: ints), or a plain base
 _UseBase = object if _CompiledUseCore is None else _CompiledUseCore
-_TYPED = ("timeout", "owed", "sites")
+_TYPED = ("timeout", "owed", "sites", "event", "stream", "recorded", "ticket")
 
 
 class _Use(_UseBase):  # type: ignore[misc,valid-type]
@@ -425,6 +427,7 @@ class HostGuard(_GuardBase):  # type: ignore[misc,valid-type]
             if check.CHECK_MODE:
                 self._watch_reads(label, reads)
                 copier._guards_watched.add(self)
+                copier._watching = True  # (the compiled flush leaves these to Python)
 
     def _record(self, use: _Use, what: str) -> None:
         """Record ``use``'s event after the copies issued so far (lock held)."""
@@ -446,7 +449,10 @@ class HostGuard(_GuardBase):  # type: ignore[misc,valid-type]
         """The copier's flush: record ``use``'s event once for the step's copies.
 
         Returns False when it is still owed (the stream is capturing: a later flush,
-        or the owner's ``write()``, records it).
+        or the owner's ``write()``, records it). The compiled flush records the common
+        case itself, as :meth:`_record` does, without the lock (``_core/guard.c``,
+        ``fence_guards``): the copies and writes through a guard are its owner's to
+        order, from one thread.
         """
         with self._lock:
             if not use.owed:

@@ -82,6 +82,7 @@ class FakeDriver:
         self.queries = []  # event of each cuEventQuery
         self.pending = set()  # events cuEventQuery answers NOT_READY for
         self.event_result = 0  # CUresult the next event calls return, when not 0
+        self.fail_records = set()  # events cuEventRecord answers an error for
         self._launch = _LAUNCH(self.launch)
         self._capturing = _CAPTURING(self.capturing)
         self._record = _EVENT_RECORD(self.event_record)
@@ -142,6 +143,8 @@ class FakeDriver:
 
     def event_record(self, event, stream):
         self.records.append((event or 0, stream or 0))
+        if (event or 0) in self.fail_records:
+            return 999  # CUDA_ERROR_UNKNOWN
         return self.event_result
 
     def event_query(self, event):
@@ -1277,6 +1280,7 @@ def _attach_landing(c, dev, events: bool = False, graphs: bool = False):
             fn = getattr(be, name)
             setattr(be, name, lambda ev, *a, _fn=fn: _fn(by_handle.get(ev, ev), *a))
     fake = Landing()
+    fake.by_handle = by_handle  # (events=True) the raw handles' sim events
     d = _cudacall.Driver(*fake.addrs)
     if events:
         d.events(*fake.event_addrs)
@@ -1911,11 +1915,12 @@ def test_a_failed_driver_copy_is_made_through_the_backend():
 
 @needs_both
 @pytest.mark.parametrize("merged", [False, True])
-def test_the_compiled_flush_leaves_a_guards_event_to_the_python_flush(merged):
+def test_the_compiled_flush_leaves_a_sim_guards_event_to_the_python_flush(merged):
     # a copy read in place through a HostGuard owes the guard's event at the step's
-    # flush: the compiled flush (which would otherwise record the slot's event itself,
-    # with nothing staged or after a carried launch) declines, and flush()'s Python body
-    # records it, so the owner's write() waits for exactly that copy
+    # flush: the guard's event here is the simulator's (an object, not a raw handle), so
+    # the compiled flush (which would otherwise record the slot's event and the guard's
+    # itself, with nothing staged or after a carried launch) declines, and flush()'s
+    # Python body records it, so the owner's write() waits for exactly that copy
     import cucopy as cc
 
     c, Site, dev, fake, problems = _landing_copier("inline", events=True)
@@ -1932,7 +1937,209 @@ def test_the_compiled_flush_leaves_a_guards_event_to_the_python_flush(merged):
             assert c._guarded is True and len(c._guards_owed) == 1
         assert c._guarded is False and c._guards_owed == []  # recorded at the flush
         assert dev.to_host(a).tolist() == [k] * 64
+    assert problems == [] and c._fast_fenced == 0
+    guard.close()
+    c.close()
+
+
+def _raw_guard_events(c, dev, fake) -> list:
+    """HostGuard uses made for landing copier ``c`` from here on get raw event handles,
+    as the CUDA backend's (``event_create`` answers ints the fake driver and the backend
+    translate to sim events; ``_attach_landing(events=True)``), and ``_use_raw`` gives a
+    use the copier's handle (77) as its stream; the copier's capture query is the
+    launcher's (asked from C), and the backend's ``is_capturing`` answers for the
+    copier's stream (77, or the sim stream it stands for) as the fake driver does
+    (``status``). Returns the events the backend's ``event_wait`` was called with (what
+    a ``write()`` waited on)."""
+    be = c._backend
+    sim_create = be.event_create
+    handles = iter(range(0xF000, 0xF100))
+
+    def create():
+        h = next(handles)
+        fake.by_handle[h] = sim_create()
+        return h
+
+    record, capturing, wait = be.event_record, be.is_capturing, be.event_wait
+    waited: list = []
+
+    def event_wait(ev, *a):
+        waited.append(ev)
+        return wait(ev, *a)
+
+    be.event_create = create
+    be.event_record = lambda ev, st: record(ev, dev.default_stream if st == 77 else st)
+    be.is_capturing = lambda st: bool(fake.status) if st == 77 or st is c._stream else capturing(st)
+    c._cap_query, c._cap_arg = c._test_driver.is_capturing, c._handle
+    be.event_wait = event_wait
+    return waited
+
+
+def _use_raw(guard, c):
+    use = guard._by_copier[c]
+    use.stream = 77  # the copier's handle, as a CUDA copier's use has it
+    return use
+
+
+def _python_flush_refused(monkeypatch) -> list:
+    """Make DeviceCopier._flush_rest (flush()'s Python body) raise; returns its calls."""
+    import cucopy as cc
+
+    calls: list = []
+
+    def refuse(self, done):
+        calls.append(done)
+        raise AssertionError("the flush ran its Python body")
+
+    monkeypatch.setattr(cc.DeviceCopier, "_flush_rest", refuse)
+    return calls
+
+
+@needs_both
+@pytest.mark.skipif(
+    not _compiled_copier_core_now(), reason="the compiled staging core is not in use"
+)
+@pytest.mark.parametrize("mode", ["inline", "mapped"])
+@pytest.mark.parametrize("merged", [False, True])
+def test_the_compiled_flush_records_a_guards_raw_event_once_a_step(monkeypatch, mode, merged):
+    # with the guard's event a raw handle on the copier's stream (as the CUDA backend's),
+    # a guarded step's flush runs no Python body: the launch (merged copies) or nothing
+    # staged (flush_dirty), the slot's event, then the guard's, recorded once a step
+    # through the launcher; write() then waits on exactly that event
+    import cucopy as cc
+
+    c, Site, dev, fake, problems = _landing_copier(mode, events=True)
+    c._mapped_max = 1 << 20  # (the sim's threshold is 4 KiB)
+    waited = _raw_guard_events(c, dev, fake)
+    buf = dev.pinned_empty((64,), np.int32)
+    guard = cc.HostGuard(buf, label="mask")
+    a, m = dev.zeros((64,), np.int32), dev.zeros((4,), np.int32)
+    with c.step():  # Python: the use made (pinned verified), the destination cached
+        c.copy(Site.P, a, buf, guard=guard)
+    use = _use_raw(guard, c)
+    assert 0xF000 <= use.event < 0xF100 and use.ticket == 1
+    python = _python_flush_refused(monkeypatch)
+    fenced, flushes = c._fast_fenced, c._fast_flushes
+    steps = 2 * c._ring.slots
+    for k in range(steps):
+        with guard.write():
+            buf[:] = k
+        assert waited[-1] == use.event  # the write waited on the guard's own event
+        records = len(fake.records)
+        with c.step():
+            c.copy(Site.P, a, buf, guard=guard)
+            if merged:
+                c.copy(Site.A, m, np.full(4, k, np.int32))
+            assert use.owed and c._guarded and len(c._guards_owed) == 1
+        assert not use.owed and use.recorded and use.ticket == k + 2
+        assert c._guarded is False and c._guards_owed == []
+        new = fake.records[records:]
+        # the slot's event, then the guard's (on the copier's stream), once each
+        assert [e for e, _ in new][-1] == use.event and len(new) == 2
+        assert new[0][0] in range(0xE000, 0xE000 + c._ring.slots) and {s for _, s in new} == {77}
+        assert guard.in_flight
+        guard.wait()
+        assert dev.to_host(a).tolist() == [k] * 64
+        if merged:
+            assert dev.to_host(m).tolist() == [k] * 4
+    assert python == [] and problems == []
+    assert c._fast_fenced - fenced == steps
+    assert c._fast_flushes - flushes == (steps if merged else 0)
+    assert [e for e, _ in fake.records].count(use.event) == steps  # (the first: Python's)
+    monkeypatch.undo()
+    guard.close()
+    c.close()
+
+
+@needs_both
+@pytest.mark.skipif(
+    not _compiled_copier_core_now(), reason="the compiled staging core is not in use"
+)
+def test_what_the_compiled_flush_leaves_to_python_for_raw_guard_events(monkeypatch):
+    # check mode (and the flush after it, whose guards to verify are Python's), a
+    # capture begun in the step (the event stays owed, recorded by the next flush from
+    # C), and a record the driver fails (left owed: the Python body records it, or
+    # reports its error) go to flush()'s Python body, which does what it always did
+    import cucopy as cc
+    from cucopy import check
+
+    c, Site, dev, fake, problems = _landing_copier("inline", events=True)
+    _raw_guard_events(c, dev, fake)
+    buf = dev.pinned_empty((64,), np.int32)
+    guard = cc.HostGuard(buf, label="mask")
+    a, m = dev.zeros((64,), np.int32), dev.zeros((4,), np.int32)
+    with c.step():
+        c.copy(Site.P, a, buf, guard=guard)
+    use = _use_raw(guard, c)
+    body = cc.DeviceCopier._flush_rest
+    python: list = []
+    monkeypatch.setattr(
+        cc.DeviceCopier, "_flush_rest", lambda self, done: python.append(done) or body(self, done)
+    )
+
+    def step(k, merged=True):
+        with guard.write():
+            buf[:] = k
+        with c.step():
+            c.copy(Site.P, a, buf, guard=guard)
+            if merged:
+                c.copy(Site.A, m, np.full(4, k, np.int32))
+
+    def guard_records():
+        return [e for e, _ in fake.records].count(use.event)
+
+    # check mode: the whole step is Python's; then its watched guard once more
+    monkeypatch.setattr(check, "CHECK_MODE", True)
+    step(1)
+    assert c._watching and python and c._fast_fenced == 0 and use.ticket == 2
+    monkeypatch.setattr(check, "CHECK_MODE", False)
+    del python[:]
+    step(2)
+    assert python == [False] and not c._watching and c._fast_fenced == 0
+    assert use.ticket == 3 and guard_records() == 0  # (Python's records: the backend's)
+    del python[:]
+    step(3)
+    assert python == [] and c._fast_fenced == 1 and use.ticket == 4 and guard_records() == 1
+    # a capture begun in the step: nothing recorded, the event stays owed ...
+    with guard.write():
+        buf[:] = 4
+    with c.step():
+        c.copy(Site.P, a, buf, guard=guard)
+        fake.status = 1
+    assert python == [False] and use.owed and c._guarded and use.ticket == 4
+    fake.status = 0
+    del python[:]
+    c.flush()  # ... and the next flush records it, from C
+    assert python == [] and not use.owed and use.ticket == 5 and guard_records() == 2
+    assert c._fast_fenced == 2 and c._guards_owed == [] and not c._guarded
+    # the driver fails the guard's record: left owed, the Python body records it
+    fake.fail_records.add(use.event)
+    step(6)
+    assert python == [False] and not use.owed and use.ticket == 6 and c._fast_fenced == 2
+    assert guard_records() == 3  # the failed one
+    guard.wait()
+    assert dev.to_host(a).tolist() == [6] * 64 and dev.to_host(m).tolist() == [6] * 4
+    # ... or reports the error the backend's record raises
+    record = c._backend.event_record
+
+    def failing(ev, st):
+        if ev == use.event:
+            raise CopyError("cuEventRecord failed (999)")
+        return record(ev, st)
+
+    monkeypatch.setattr(c._backend, "event_record", failing)
+    with pytest.raises(CopyError, match=r"cuEventRecord failed"):
+        step(7)
+    assert use.owed and c._guards_owed == [(guard, use)] and c._guarded
+    fake.fail_records.clear()
+    monkeypatch.setattr(c._backend, "event_record", record)
+    del python[:]
+    step(8)  # the write records it (Python's, at the fence), the flush the step's (C)
+    assert python == [] and not use.owed and use.ticket == 8 and c._fast_fenced == 3
+    guard.wait()
+    assert dev.to_host(a).tolist() == [8] * 64
     assert problems == []
+    monkeypatch.undo()
     guard.close()
     c.close()
 

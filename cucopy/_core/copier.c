@@ -30,7 +30,8 @@
 typedef struct {
     PyObject_HEAD
     char closed, in_step, capturing, stepping; /* _closed, _in_step, _capturing, _stepping */
-    char guarded; /* _guarded: HostGuard events owed (their flush is the Python path's) */
+    char guarded; /* _guarded: HostGuard events owed (_guards_owed: recorded at the flush) */
+    char watching; /* _watching: check mode's guards to verify (_guards_watched: Python's) */
     char tags; /* _tags: a graphed launch writes its slot's completion tag (no event) */
     unsigned long long owner; /* _owner: the thread whose step is open (thread_id; 0: none) */
     long long cap_for, cap;   /* the slot size the table reservation is for, and it */
@@ -63,6 +64,7 @@ typedef struct {
     unsigned long long serial;
     PyObject *wait_timeout, *guards_owed;
     long long fast_guarded; /* guarded copies the compiled case issued */
+    long long fast_fenced;  /* guard events the compiled flush recorded (guard.c) */
 } CopierCore;
 #define PLAIN_BEGIN 1
 #define PLAIN_FLUSH 2
@@ -251,42 +253,66 @@ static int current_event(CopierCore *c, RingCore *ring, unsigned long long *even
     return ok;
 }
 
-/* flush() with nothing staged and the slot dirtied by eager copies: flush()'s body (the
- * capture query, then the slot's event recorded), from C. 1 done, 0 the body's, -1 an
- * error the query raised. */
+/* the HostGuard events the step owes (guard.c: DeviceCopier._fence_guards' common
+ * case): whether any is owed; whether the compiled flush may record them all (checked
+ * before it changes anything); recording them (after the step's work: the launch and
+ * the slot's event) */
+static int guards_owe(CopierCore *c);
+static int guards_ready(CopierCore *c, CarriedLauncher *E, unsigned long long stream);
+static int fence_guards(CopierCore *c, CarriedLauncher *E, unsigned long long stream);
+
+/* flush() with nothing staged and the slot dirtied by eager or guarded copies (or only
+ * guard events owed): flush()'s body (the capture query, then the slot's event and the
+ * guards' events recorded), from C. 1 done, 0 the body's (nothing changed, or the
+ * events not recorded left owed), -1 an error the query raised. */
 static int flush_dirty(CopierCore *c) {
     CarriedLauncher *E = core_launcher(c);
     if (!E || !E->record || !E->query || !c->handle) return 0;
     int idle = not_capturing(c, E, 0);
     if (idle <= 0) return idle; /* (-1: an error the query raised) */
     /* the query may have been Python code: everything below is read afresh */
-    if (!core_usable(c, thread_id()) || nstaged((Segment *)c->seg)) return 0;
+    if (!core_usable(c, thread_id()) || c->watching || nstaged((Segment *)c->seg)) return 0;
     E = core_launcher(c);
     if (!E || !E->record || !E->query || !c->handle) return 0;
     RingCore *ring = (RingCore *)c->ring;
     unsigned long long stream, event;
     if (!c->slot || !PyObject_TypeCheck(c->slot, &SlotCoreType) ||
-        ((SlotCore *)c->slot)->dirty != Py_True || !u64_field(c->handle, &stream) ||
-        !current_event(c, ring, &event)) {
+        !u64_field(c->handle, &stream)) {
         PyErr_Clear();
         return 0;
     }
-    return record_slot(ring, (SlotCore *)c->slot, E, event, stream);
+    SlotCore *slot = (SlotCore *)c->slot;
+    int owes = guards_owe(c);
+    if (owes && !guards_ready(c, E, stream)) return 0;
+    if (slot->dirty == Py_True) {
+        if (!current_event(c, ring, &event) || !record_slot(ring, slot, E, event, stream)) {
+            PyErr_Clear();
+            return 0;
+        }
+    } else if (slot->dirty != Py_False || !owes) {
+        return 0;
+    }
+    /* the slot's event first, as _flush_rest records it (ring.record, then
+     * _fence_guards) */
+    return owes ? fence_guards(c, E, stream) : 1;
 }
 
 static PyObject *copiercore_flush_fast(CopierCore *c, PyObject *unused) {
     uint64_t me = thread_id();
-    if (!core_usable(c, me) || c->guarded) Py_RETURN_FALSE; /* (guards: _fence_guards) */
+    /* (check mode's guards to verify: _fence_guards, which clears them once it is off) */
+    if (!core_usable(c, me) || c->watching) Py_RETURN_FALSE;
     Segment *seg = (Segment *)c->seg;
     RingCore *ring = (RingCore *)c->ring;
     if (!nstaged(seg)) {
         /* nothing staged and no event owed (a step whose every copy was skipped as
          * unchanged): flush()'s body would return at once, so return here */
         PyObject *cur = ring->current;
-        if (!cur || cur == Py_None ||
-            (is_slot(cur) && ((SlotCore *)cur)->dirty == Py_False))
+        if ((!cur || cur == Py_None ||
+             (is_slot(cur) && ((SlotCore *)cur)->dirty == Py_False)) &&
+            !guards_owe(c))
             Py_RETURN_TRUE;
-        /* eager copies only (a plan that merges nothing): their event, from C */
+        /* eager or guarded copies only (a plan that merges nothing, a step whose one
+         * copy reads a HostGuard's buffer): their events, from C */
         int done = flush_dirty(c);
         if (done < 0) return NULL;
         if (done) Py_RETURN_TRUE;
@@ -325,6 +351,11 @@ static PyObject *copiercore_flush_fast(CopierCore *c, PyObject *unused) {
     int have_event = E && current_event(c, ring, &event);
     if (!have_event || (mapped_max = c->mapped_max) < 0) mapped_max = -1;
     if (mapped_only && mapped_max < 0) Py_RETURN_FALSE;
+    /* the guards' events the step owes: recorded after the launch and the slot's event,
+     * from C when each can be; else the whole flush is the Python body's */
+    int owes = guards_owe(c);
+    if (owes && (c->watching || !have_event || !guards_ready(c, E, stream)))
+        Py_RETURN_FALSE;
     /* from here on as _flush_segment: an error is flush()'s to report (the segment cut) */
     int64_t off, end, nblocks;
     Py_ssize_t n;
@@ -387,10 +418,15 @@ static PyObject *copiercore_flush_fast(CopierCore *c, PyObject *unused) {
         /* a carried launch after eager copies: their event, from C as well */
         record_slot(ring, slot, E, event, stream);
     /* the slot dirtied in the step (an eager copy, or a record that failed):
-     * flush()'s body records it */
+     * flush()'s body records it (and the guards' events after it) */
     if (ring->current && is_slot(ring->current) &&
         ((SlotCore *)ring->current)->dirty != Py_False)
         Py_RETURN_FALSE;
+    if (owes) { /* (_fence_guards' common case; 0: left owed, for the body's to report) */
+        int r = fence_guards(c, E, stream);
+        if (r < 0) return NULL;
+        if (!r) Py_RETURN_FALSE;
+    }
     Py_RETURN_TRUE;
 cut:
     return Py_BuildValue("(LLLn)", (long long)off, (long long)end, (long long)nblocks, n);
@@ -550,7 +586,7 @@ static PyMethodDef copiercore_methods[] = {
 static PyMemberDef copiercore_members[] = {
     TYPED("_closed", T_BOOL, closed) TYPED("_in_step", T_BOOL, in_step)
     TYPED("_capturing", T_BOOL, capturing) TYPED("_stepping", T_BOOL, stepping)
-    TYPED("_guarded", T_BOOL, guarded)
+    TYPED("_guarded", T_BOOL, guarded) TYPED("_watching", T_BOOL, watching)
     TYPED("_tags", T_BOOL, tags)
     TYPED("_owner", T_ULONGLONG, owner) TYPED("_cap_for", T_LONGLONG, cap_for)
     TYPED("_cap", T_LONGLONG, cap) TYPED("_carry_max", T_LONGLONG, carry_max)
@@ -568,6 +604,8 @@ static PyMemberDef copiercore_members[] = {
      "Segments landed by _flush_fast."},
     {"_fast_guarded", T_LONGLONG, offsetof(CopierCore, fast_guarded), READONLY,
      "copy(guard=) calls the compiled case issued (guard.c)."},
+    {"_fast_fenced", T_LONGLONG, offsetof(CopierCore, fast_fenced), READONLY,
+     "HostGuard events the compiled flush recorded (guard.c, fence_guards)."},
     {"_step_ctx", T_LONGLONG, offsetof(CopierCore, step_ctx), READONLY,
      "The Context (its address) the open step() block was entered in; 0: none."},
     {"_plain_bits", T_INT, offsetof(CopierCore, plain), READONLY,

@@ -8,19 +8,27 @@
 
 /* -- UseCore: what a guard knows of one copier's copies (guard._Use's fields) -------
  *
- * ``cucopy.guard._Use`` subclasses it. The fields a guarded copy updates are typed:
- * ``owed`` a C boolean, ``timeout`` and ``sites`` (site -> copies not known complete)
- * the objects Python assigned; ``_serial`` the copier's (CopierCore's serial, taken
- * when the use is made: a copier's address may be reused, its serial never). */
+ * ``cucopy.guard._Use`` subclasses it. The fields a guarded copy and the compiled flush
+ * update are typed: ``owed`` and ``recorded`` C booleans, ``ticket`` a C integer,
+ * ``timeout`` and ``sites`` (site -> copies not known complete) the objects Python
+ * assigned; ``_serial`` the copier's (CopierCore's serial, taken when the use is made: a
+ * copier's address may be reused, its serial never). ``event`` and ``stream`` keep the
+ * objects Python assigned and, read once at the assignment, their raw handles when they
+ * are exact ints (the CUDA backend's events and streams; the simulator's are objects):
+ * what the compiled flush records the event with (fence_guards below). */
 
 typedef struct {
     PyObject_HEAD
-    char owed; /* owed: copies issued since the event was last recorded */
+    char owed;     /* owed: copies issued since the event was last recorded */
+    char recorded; /* recorded: the event was recorded after copies not known complete */
+    char raw_event, raw_stream; /* event, stream: exact ints (their raw handles below) */
+    long long ticket;          /* ticket: records made (a wait clears what it covered) */
     unsigned long long serial; /* _serial: the copier's (0: not a CopierCore) */
-    PyObject *timeout, *sites;
+    unsigned long long event_h, stream_h; /* the raw handles (when raw_event, raw_stream) */
+    PyObject *timeout, *sites, *event, *stream;
 } UseCore;
 
-#define USE_FIELDS(X) X(timeout) X(sites)
+#define USE_FIELDS(X) X(timeout) X(sites) X(event) X(stream)
 GC_FIELDS(usecore, UseCore, USE_FIELDS)
 
 static PyObject *usecore_new(PyTypeObject *tp, PyObject *args, PyObject *kw) {
@@ -35,10 +43,48 @@ static PyObject *usecore_new(PyTypeObject *tp, PyObject *args, PyObject *kw) {
 
 static PyMemberDef usecore_members[] = {
     {"owed", T_BOOL, offsetof(UseCore, owed), 0, NULL},
+    {"recorded", T_BOOL, offsetof(UseCore, recorded), 0, NULL},
+    {"ticket", T_LONGLONG, offsetof(UseCore, ticket), 0, NULL},
     {"timeout", T_OBJECT_EX, offsetof(UseCore, timeout), 0, NULL},
     {"sites", T_OBJECT_EX, offsetof(UseCore, sites), 0, NULL},
     {"_serial", T_ULONGLONG, offsetof(UseCore, serial), READONLY,
      "The serial of the copier the use was made for (0: none)."},
+    {NULL},
+};
+
+/* event and stream: the object, and its raw handle read once here (an exact int of 64
+ * bits: the compiled flush's; anything else: Python's) */
+static PyObject *usecore_get_handle(UseCore *u, void *which) {
+    PyObject *v = which ? u->stream : u->event;
+    if (!v) {
+        PyErr_SetString(PyExc_AttributeError, which ? "stream" : "event");
+        return NULL;
+    }
+    return Py_NewRef(v);
+}
+
+static int usecore_set_handle(UseCore *u, PyObject *v, void *which) {
+    unsigned long long h = 0;
+    int raw = v && u64_field(v, &h);
+    PyErr_Clear();
+    if (which) {
+        Py_XSETREF(u->stream, Py_XNewRef(v));
+        u->raw_stream = (char)raw;
+        u->stream_h = h;
+    } else {
+        Py_XSETREF(u->event, Py_XNewRef(v));
+        u->raw_event = (char)raw;
+        u->event_h = h;
+    }
+    return 0;
+}
+
+static PyGetSetDef usecore_getset[] = {
+    {"event", (getter)usecore_get_handle, (setter)usecore_set_handle,
+     "The guard's event for the copier's copies (a raw handle the compiled flush records).",
+     NULL},
+    {"stream", (getter)usecore_get_handle, (setter)usecore_set_handle,
+     "The copier's stream the copies went on.", (void *)1},
     {NULL},
 };
 
@@ -226,7 +272,8 @@ static int use_count(UseCore *u, PyObject *site) {
  * the backend's copy2d without one), the slot marked dirty, the guard's bookkeeping
  * as guard._issued keeps it (use.sites, use.timeout; the first copy of a step makes
  * the use owed, puts it in the guard's _active and (guard, use) in the copier's
- * _guards_owed, whose event flush()'s Python body records), the copy counted eager
+ * _guards_owed, whose event the step's flush records: fence_guards below, else
+ * _fence_guards), the copy counted eager
  * (fold_eager; a merged site's with fallback "in_place"). Anything else is the Python
  * path's (MISS), which asks everything again and names the site and the buffer in its
  * errors. STAGED: issued. */
@@ -265,7 +312,7 @@ static int core_guarded(PyObject *self, PyObject *site, PyObject *dst, PyObject 
     Py_INCREF(u);
     SlotCore *slot = (SlotCore *)s->slot;
     /* the copy reads no slot bytes; the slot is marked dirty so that its event (and the
-     * flush's Python body, which records the guard's) follows the step's work */
+     * guard's, recorded after it at the flush) follows the step's work */
     Py_SETREF(slot->dirty, Py_NewRef(Py_True));
     unsigned long long stream;
     int rc = -1;
@@ -319,7 +366,7 @@ static int core_guarded(PyObject *self, PyObject *site, PyObject *dst, PyObject 
         if (ap < 0) goto issued;
         u->owed = 1;
     }
-    c->guarded = 1; /* the compiled flush leaves the guard's event to Python's */
+    c->guarded = 1; /* the guard's event owed: recorded at the flush (fence_guards) */
     Py_ssize_t i = count_index(s, site); /* its eager count (stats.sites[site].eager) */
     if (i < 0) goto issued;
     s->evals[i]++;
@@ -332,4 +379,87 @@ done:
     Py_DECREF(gd);
     Py_DECREF(s);
     return out;
+}
+
+/* -- the flush's guard events (DeviceCopier._fence_guards' common case) -------------
+ *
+ * A step's guarded copies owe each guard's event once, at the step's flush: the
+ * (guard, use) pairs in the copier's _guards_owed. The compiled flush (copier.c: after
+ * the launch and the slot's event, or with nothing staged, flush_dirty) records each
+ * owed use's event through the launcher's record() (cuEventRecord, as record_slot
+ * records the slot's), then keeps the use's bookkeeping as guard._record does (owed
+ * cleared, recorded set, ticket + 1), empties _guards_owed and clears _guarded. It
+ * takes them only when every pair is its to take, asked before anything changes
+ * (guards_ready): not in check mode, no check-mode guard to verify (_watching), not
+ * capturing, each use made for this copier (its serial) with an event that is a raw
+ * handle (the CUDA backend's; the simulator's are objects) on the copier's own stream.
+ * Else the whole flush is the Python body's, which records them as it always did.
+ *
+ * The guard's lock is not taken (neither does core_guarded): the copies and writes
+ * through one guard are its owner's to order, from one thread (docs/host_guard.md);
+ * the GIL is held from the first record to the last bookkeeping, so a write() on
+ * another thread sees the uses before or after, never between. */
+
+/* whether the step owes guard events (or _guards_owed is not a list: the body's) */
+static int guards_owe(CopierCore *c) {
+    PyObject *o = c->guards_owed;
+    if (!o || !PyList_CheckExact(o)) return c->guarded;
+    return c->guarded || PyList_GET_SIZE(o) > 0;
+}
+
+/* the use of pair p when the compiled flush may record its event on stream, else NULL
+ * (borrowed) */
+static UseCore *owed_use(CopierCore *c, PyObject *p, unsigned long long stream) {
+    if (!PyTuple_CheckExact(p) || PyTuple_GET_SIZE(p) != 2 ||
+        !PyObject_TypeCheck(PyTuple_GET_ITEM(p, 0), &GuardCoreType) ||
+        !PyObject_TypeCheck(PyTuple_GET_ITEM(p, 1), &UseCoreType))
+        return NULL;
+    UseCore *u = (UseCore *)PyTuple_GET_ITEM(p, 1);
+    if (u->serial != c->serial || !c->serial || !u->raw_event || !u->raw_stream ||
+        u->stream_h != stream)
+        return NULL;
+    return u;
+}
+
+/* 1: every owed pair's event may be recorded from C (E's record(), on stream); 0: the
+ * Python body's. Runs no Python code, changes nothing. */
+static int guards_ready(CopierCore *c, CarriedLauncher *E, unsigned long long stream) {
+    PyObject *owed = c->guards_owed;
+    if (!owed || !PyList_CheckExact(owed) || S->check_mode || c->watching || c->capturing ||
+        !E || !E->record)
+        return 0;
+    for (Py_ssize_t i = 0, n = PyList_GET_SIZE(owed); i < n; i++)
+        if (!owed_use(c, PyList_GET_ITEM(owed, i), stream)) return 0;
+    return 1;
+}
+
+/* Record the owed uses' events in order (a use no longer owed, recorded since by a
+ * write() in the step, is passed as _record_owed passes it), then drop the pairs
+ * recorded. 1: all (_guards_owed empty, _guarded cleared); 0: a record failed, or a
+ * pair is no longer the compiled flush's (the rest left owed, from that pair on: the
+ * Python body records them, or reports the error, as _fence_guards does); -1: an error
+ * (emptying the list). */
+static int fence_guards(CopierCore *c, CarriedLauncher *E, unsigned long long stream) {
+    PyObject *owed = c->guards_owed;
+    if (!owed || !PyList_CheckExact(owed)) return 0;
+    Py_ssize_t n = PyList_GET_SIZE(owed), i;
+    for (i = 0; i < n; i++) {
+        UseCore *u = owed_use(c, PyList_GET_ITEM(owed, i), stream);
+        if (!u) break;
+        if (!u->owed) continue;
+        if (E->record(E->drv, u->event_h, stream) != 0) break;
+        u->owed = 0;
+        u->recorded = 1;
+        u->ticket++;
+        c->fast_fenced++;
+    }
+    int all = i == n;
+    if (all) c->guarded = 0;
+    if (!i) return all;
+    /* (the pairs dropped may be the last references to a guard and its use: their
+     * deallocation may run Python code, after the bookkeeping above) */
+    Py_INCREF(owed);
+    int rc = PyList_SetSlice(owed, 0, i, NULL);
+    Py_DECREF(owed);
+    return rc < 0 ? -1 : all;
 }

@@ -128,6 +128,7 @@ static int module_exec(PyObject *m) {
     CopierCoreType.tp_getset = copiercore_getset;
     ActivationType.tp_init = (initproc)activation_init;
     UseCoreType.tp_new = usecore_new;
+    UseCoreType.tp_getset = usecore_getset;
     for (size_t i = 0; i < sizeof types / sizeof types[0]; i++)
         if (PyType_Ready(types[i]) < 0) return -1;
     static const char *const exported[] = {
