@@ -18,7 +18,9 @@ kernel's header check returns at once; a tagged launch still writes its tag).
 ``--program SEED``: the property program of ``tests/test_properties_env.py`` itself, with
 tags on, every graphed launch timed (new graph or not, behind a hold or not) and any
 call that took over 100 ms printed with its context.
-Answer: ``bench/results/2026-12-04-h200-run57/logs/graph_hold.log``.
+Answer: ``bench/results/2026-12-04-h200-run58/logs/graph_hold.log``: alone, no graph
+made or launched behind a hold blocked; in the program, one new tagged graph made
+behind a hold blocked until the hold gave up (three others did not).
 """
 
 from __future__ import annotations
