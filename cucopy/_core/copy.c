@@ -338,6 +338,25 @@ static inline int staged_overlaps(Segment *s, addr_t lo, addr_t hi, int reads) {
                           (reads && ranges_overlaps(&s->reads, lo, hi)));
 }
 
+/* a source seen before (a torch CPU tensor, by identity) whose cached geometry matches
+ * destination g and is still what it was: 1 and *ptr its first byte (a cached source is
+ * packed), 0 not, -1 an error (the eager and the guarded copy's common cases) */
+static int cached_source(Segment *s, PyObject *src, const Geo *g, addr_t *ptr) {
+    Cached *sc = (Cached *)front_get(&s->sfront, s->scache, src);
+    if (!sc) return PyErr_Occurred() ? -1 : 0;
+    Py_INCREF(sc);
+    int v = 0;
+    if (sc->nbytes == g->nbytes && sc->ndim >= 0 &&
+        shape_fits(sc->ndim, (const Py_ssize_t *)sc->shape, g->ndim, g->shape)) {
+        int eq = sc->dtype == g->dtype ? 1 : PyObject_RichCompareBool(sc->dtype, g->dtype, Py_EQ);
+        if (eq < 0) v = soft_clear() < 0 ? -1 : 0;
+        else if (eq == 1) v = cached_valid(sc, src);
+    }
+    *ptr = sc->ptr;
+    Py_DECREF(sc);
+    return v;
+}
+
 /* 1: e is filled (e->g.hold held: Py_DECREF it), 0: a miss, -1: an error. Nothing is
  * written until it answers 1; the slot's top is then taken (the last step, with no
  * Python code run after it). */
@@ -364,19 +383,8 @@ static int eager_source(Segment *s, PyObject *dst, PyObject *src, Eager *e) {
         } else
             goto miss;
     } else if ((PyObject *)Py_TYPE(src) != S->ndarray_type) {
-        Cached *sc = (Cached *)front_get(&s->sfront, s->scache, src);
-        if (!sc) { if (PyErr_Occurred()) goto fail; goto miss; }
-        Py_INCREF(sc);
-        int v = 0;
-        if (sc->nbytes == g->nbytes && sc->ndim >= 0 &&
-            shape_fits(sc->ndim, (const Py_ssize_t *)sc->shape, g->ndim, g->shape)) {
-            int eq = sc->dtype == g->dtype ? 1
-                                           : PyObject_RichCompareBool(sc->dtype, g->dtype, Py_EQ);
-            if (eq < 0) v = soft_clear() < 0 ? -1 : 0;
-            else if (eq == 1) v = cached_valid(sc, src);
-        }
-        addr_t p = sc->ptr;
-        Py_DECREF(sc);
+        addr_t p;
+        int v = cached_source(s, src, g, &p);
         if (v < 0) goto fail;
         if (v == 0) goto miss;
         e->src = (const char *)(uintptr_t)p;

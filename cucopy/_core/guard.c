@@ -207,22 +207,9 @@ static int inplace_pair(Segment *s, PyObject *dst, PyObject *src, InPlace *p) {
         } else
             goto miss;
     } else if ((PyObject *)Py_TYPE(src) != S->ndarray_type) {
-        Cached *sc = (Cached *)front_get(&s->sfront, s->scache, src);
-        if (!sc) { if (PyErr_Occurred()) goto fail; goto miss; }
-        Py_INCREF(sc);
-        int v = 0;
-        if (sc->nbytes == g->nbytes && sc->ndim >= 0 &&
-            shape_fits(sc->ndim, (const Py_ssize_t *)sc->shape, g->ndim, g->shape)) {
-            int eq = sc->dtype == g->dtype ? 1
-                                           : PyObject_RichCompareBool(sc->dtype, g->dtype, Py_EQ);
-            if (eq < 0) v = soft_clear() < 0 ? -1 : 0;
-            else if (eq == 1) v = cached_valid(sc, src);
-        }
-        addr_t sp = sc->ptr;
-        Py_DECREF(sc);
+        int v = cached_source(s, src, g, &p->src); /* a cached source is packed */
         if (v < 0) goto fail;
         if (v == 0) goto miss;
-        p->src = sp; /* a cached source is packed */
     } else {
         goto miss; /* a NumPy array read through the public path: the Python path's */
     }
