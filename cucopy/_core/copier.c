@@ -459,6 +459,44 @@ static PyObject *core_fastcopy(PyObject *self) {
  * launcher's copy(); the backend's copy2d without one), the slot marked dirty (its
  * event is recorded once, at the flush), the copy counted (fold_eager). Anything else
  * is the Python path's (MISS), which asks everything again. STAGED: issued. */
+/* one H2D copy of rows rows of width bytes (pitches dpitch, spitch) on the copier's
+ * stream: one driver copy through the launcher's copy(), else (no C copy: the simulator,
+ * another context current; or a failed one) the backend's copy2d, which copies or
+ * raises the error it reports. 0, or -1 with the error set (the eager and the guarded
+ * copy's common cases) */
+static int copier_copy2d(PyObject *self, CopierCore *c, CarriedLauncher *L, addr_t dst,
+                         int64_t dpitch, addr_t src, int64_t spitch, int64_t width,
+                         int64_t rows) {
+    unsigned long long stream;
+    int rc = -1;
+    if (L && L->copy && c->handle && u64_field(c->handle, &stream))
+        rc = L->copy(L->drv, dst, (unsigned long long)dpitch, (const void *)(uintptr_t)src,
+                     (unsigned long long)spitch, (unsigned long long)width,
+                     (unsigned long long)rows, stream);
+    PyErr_Clear(); /* (u64_field on a handle that is not an int) */
+    if (rc == 0) return 0;
+    PyObject *be = PyObject_GetAttr(self, S->s_backend_attr);
+    PyObject *fn = be ? PyObject_GetAttr(be, S->s_copy2d) : NULL;
+    PyObject *st = fn ? PyObject_GetAttr(self, S->s_stream_attr) : NULL;
+    PyObject *a1 = st ? PyLong_FromUnsignedLongLong(dst) : NULL;
+    PyObject *a2 = a1 ? PyLong_FromLongLong(dpitch) : NULL;
+    PyObject *a3 = a2 ? PyLong_FromUnsignedLongLong(src) : NULL;
+    PyObject *a4 = a3 ? PyLong_FromLongLong(spitch) : NULL;
+    PyObject *a5 = a4 ? PyLong_FromLongLong(width) : NULL;
+    PyObject *a6 = a5 ? PyLong_FromLongLong(rows) : NULL;
+    PyObject *res = NULL;
+    if (a6) {
+        PyObject *v[8] = {Py_True, a1, a2, a3, a4, a5, a6, st};
+        res = PyObject_Vectorcall(fn, v, 8, NULL);
+    }
+    Py_XDECREF(be); Py_XDECREF(fn); Py_XDECREF(st);
+    Py_XDECREF(a1); Py_XDECREF(a2); Py_XDECREF(a3); Py_XDECREF(a4); Py_XDECREF(a5);
+    Py_XDECREF(a6);
+    if (!res) return -1;
+    Py_DECREF(res);
+    return 0;
+}
+
 static int core_eager(PyObject *self, PyObject *site, PyObject *dst, PyObject *src,
                       PyObject *on_drop) {
     if (!is_core(self)) return MISS;
@@ -515,33 +553,10 @@ static int core_eager(PyObject *self, PyObject *site, PyObject *dst, PyObject *s
     /* work reading the slot is enqueued below: its event follows, at the flush */
     Py_SETREF(slot->dirty, Py_NewRef(Py_True));
     addr_t host = s->pinned_ptr + (addr_t)e.top;
-    unsigned long long stream;
-    int rc = -1;
-    if (L && L->copy && c->handle && u64_field(c->handle, &stream))
-        rc = L->copy(L->drv, e.g.ptr, (unsigned long long)e.g.pitch, (const void *)(uintptr_t)host,
-                     (unsigned long long)e.g.width, (unsigned long long)e.g.width,
-                     (unsigned long long)e.g.rows, stream);
-    PyErr_Clear(); /* (u64_field on a handle that is not an int) */
-    if (rc != 0) {
-        /* no C copy (the simulator, another context current) or a failed one: the
-         * backend's copy2d, which copies or raises the error it reports */
-        PyObject *be = PyObject_GetAttr(self, S->s_backend_attr);
-        PyObject *fn = be ? PyObject_GetAttr(be, S->s_copy2d) : NULL;
-        PyObject *st = fn ? PyObject_GetAttr(self, S->s_stream_attr) : NULL;
-        PyObject *a1 = st ? PyLong_FromUnsignedLongLong(e.g.ptr) : NULL;
-        PyObject *a2 = a1 ? PyLong_FromLongLong(e.g.pitch) : NULL;
-        PyObject *a3 = a2 ? PyLong_FromUnsignedLongLong(host) : NULL;
-        PyObject *a4 = a3 ? PyLong_FromLongLong(e.g.width) : NULL;
-        PyObject *a5 = a4 ? PyLong_FromLongLong(e.g.rows) : NULL;
-        PyObject *res = NULL;
-        if (a5) {
-            PyObject *v[8] = {Py_True, a1, a2, a3, a4, a4, a5, st};
-            res = PyObject_Vectorcall(fn, v, 8, NULL);
-        }
-        Py_XDECREF(be); Py_XDECREF(fn); Py_XDECREF(st);
-        Py_XDECREF(a1); Py_XDECREF(a2); Py_XDECREF(a3); Py_XDECREF(a4); Py_XDECREF(a5);
-        if (!res) { Py_DECREF(e.g.hold); out = -1; goto done; }
-        Py_DECREF(res);
+    if (copier_copy2d(self, c, L, e.g.ptr, e.g.pitch, host, e.g.width, e.g.width, e.g.rows) < 0) {
+        Py_DECREF(e.g.hold);
+        out = -1;
+        goto done;
     }
     Py_DECREF(e.g.hold);
     Py_ssize_t i = count_index(s, site); /* its eager count (stats.sites[site].eager) */

@@ -301,36 +301,11 @@ static int core_guarded(PyObject *self, PyObject *site, PyObject *dst, PyObject 
     /* the copy reads no slot bytes; the slot is marked dirty so that its event (and the
      * guard's, recorded after it at the flush) follows the step's work */
     Py_SETREF(slot->dirty, Py_NewRef(Py_True));
-    unsigned long long stream;
-    int rc = -1;
-    if (L && L->copy && c->handle && u64_field(c->handle, &stream))
-        rc = L->copy(L->drv, p.g.ptr, (unsigned long long)p.dpitch,
-                     (const void *)(uintptr_t)p.src, (unsigned long long)p.spitch,
-                     (unsigned long long)p.width, (unsigned long long)p.rows, stream);
-    PyErr_Clear(); /* (u64_field on a handle that is not an int) */
     Py_DECREF(p.g.hold);
-    if (rc != 0) {
-        /* no C copy (the simulator, another context current) or a failed one: the
-         * backend's copy2d, which copies or raises the error it reports */
-        PyObject *be = PyObject_GetAttr(self, S->s_backend_attr);
-        PyObject *fn = be ? PyObject_GetAttr(be, S->s_copy2d) : NULL;
-        PyObject *st = fn ? PyObject_GetAttr(self, S->s_stream_attr) : NULL;
-        PyObject *a1 = st ? PyLong_FromUnsignedLongLong(p.g.ptr) : NULL;
-        PyObject *a2 = a1 ? PyLong_FromLongLong(p.dpitch) : NULL;
-        PyObject *a3 = a2 ? PyLong_FromUnsignedLongLong(p.src) : NULL;
-        PyObject *a4 = a3 ? PyLong_FromLongLong(p.spitch) : NULL;
-        PyObject *a5 = a4 ? PyLong_FromLongLong(p.width) : NULL;
-        PyObject *a6 = a5 ? PyLong_FromLongLong(p.rows) : NULL;
-        PyObject *res = NULL;
-        if (a6) {
-            PyObject *v[8] = {Py_True, a1, a2, a3, a4, a5, a6, st};
-            res = PyObject_Vectorcall(fn, v, 8, NULL);
-        }
-        Py_XDECREF(be); Py_XDECREF(fn); Py_XDECREF(st);
-        Py_XDECREF(a1); Py_XDECREF(a2); Py_XDECREF(a3); Py_XDECREF(a4); Py_XDECREF(a5);
-        Py_XDECREF(a6);
-        if (!res) { Py_DECREF(u); out = -1; goto done; }
-        Py_DECREF(res);
+    if (copier_copy2d(self, c, L, p.g.ptr, p.dpitch, p.src, p.spitch, p.width, p.rows) < 0) {
+        Py_DECREF(u);
+        out = -1;
+        goto done;
     }
     /* guard._issued(copier, use, site, reads, True), outside check mode */
     out = -1;
