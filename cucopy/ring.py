@@ -209,7 +209,7 @@ class PyRingCore:
 
     ``cucopy._segment.RingCore`` is its compiled twin: ``current``, ``_slots``,
     ``_events``, ``_demand``, ``_index``, ``_want``, ``acquires``, ``_target_size``,
-    ``_peak``, ``_launcher``, ``_certified``, ``_newest``, ``_newest_stamp`` and
+    ``_peak``, ``capacity``, ``_launcher``, ``_certified``, ``_newest``, ``_newest_stamp`` and
     ``_probe`` as C members, and an ``advance_fast`` that runs the common step
     (``DeviceCopier._advance`` with :meth:`StagingRing.acquire`) in one call.
     """

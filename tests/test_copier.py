@@ -905,6 +905,47 @@ def test_begin_opens_the_common_step_in_one_compiled_call(sim_env):
     c.close()
 
 
+def _growing_decode_loop(c, a, steps: int) -> list:
+    """Steps whose merged bytes grow a little each time (a decode loop's read index):
+    the ring's demand peak moves every step. Returns, after each step, the ring's
+    (peak, target) and whether the compiled begin opened the step."""
+    seen = []
+    for i in range(steps):
+        n = 8 + 37 * i  # past the 4096-byte capacity later on: the slot target moves too
+        fast = c._fast_begins
+        with c.step():
+            c.copy(Site.POS, a[:n], np.arange(i, i + n, dtype=np.int32))
+        seen.append((c._ring._peak, c._ring._target_size, c._fast_begins - fast))
+    return seen
+
+
+def test_a_demand_peak_that_moves_every_step_keeps_the_compiled_begin(sim_env):
+    # In a decode loop the read index grows each step, so the ring's demand window
+    # gets a new largest value each step. The compiled begin sizes the next slot for it
+    # itself (StagingRing._target) instead of handing every such step to Python.
+    c = sim_env.copier(PLAN, flush_mode="inline", slots=2, capacity=4096)
+    a = sim_env.empty((4096,))
+    seen = _growing_decode_loop(c, a, 40)
+    n = 8 + 37 * 39
+    assert sim_env.to_host(a)[:n].tolist() == list(range(39, 39 + n))
+    assert len({p for p, _, _ in seen}) == 40  # the peak moved every step
+    assert seen[0][1] == 4096 and seen[-1][1] == 8192  # and the slots' target grew
+    if _compiled_core():
+        # Python: the first turn of the ring (each slot made), and the steps whose data
+        # overflowed a 4096-byte slot (temporaries) until the slots were replaced; every
+        # other step in the compiled call, peak moved or not
+        fast = [f for _, _, f in seen]
+        assert fast[:2] == [0, 0]
+        assert fast[2:23] == [1] * 21
+        assert fast[31:] == [1] * 9
+    # each target as the Python twin's StagingRing._target computes it for its peak
+    from cucopy import pack
+    from cucopy.ring import _pow2
+
+    assert [t for _, t, _ in seen] == [max(4096, _pow2(pack.align(p, 4096))) for p, _, _ in seen]
+    c.close()
+
+
 @pytest.mark.skipif(not _compiled_core(), reason="the compiled staging core is not in use")
 @pytest.mark.parametrize("why", ["staged", "check_mode", "capturing", "other_thread", "ring"])
 def test_begin_fast_declines_without_changing_anything(sim_env, monkeypatch, why):

@@ -218,6 +218,7 @@ typedef struct {
     PyObject *index, *want, *acquires, *target_size, *peak; /* ints, as Python holds them */
     PyObject *launcher; /* a launcher capsule whose query() asks an event, or NULL/None */
     long long fast_advances;
+    long long capacity; /* StagingRing.capacity: the smallest slot size */
     /* every event recorded at or before acquire `certified` is known complete (one of
      * them was seen complete, and the ring records on one stream, in order); `newest`
      * is the index of the slot recorded last, at acquire `newest_stamp`; `probe` > 0:
@@ -230,6 +231,18 @@ typedef struct {
     X(target_size) X(peak) X(launcher)
 GC_FIELDS(ringcore, RingCore, RING_FIELDS)
 
+
+/* StagingRing._target's size for a demand peak: max(capacity, _pow2(align(peak, 4096))),
+ * or -1 where the Python path should compute it (a negative or huge peak) */
+static long long ring_target(long long capacity, int64_t peak) {
+    if (peak < 0 || peak > ((int64_t)1 << 60)) return -1;
+    uint64_t a = ((uint64_t)peak + 4095) & ~(uint64_t)4095;
+    /* _pow2(n) = 1 << max(0, (n - 1).bit_length()): the least power of two >= n, and 2
+     * for 0 ((-1).bit_length() is 1); n is a multiple of 4096 here */
+    uint64_t p = a == 0 ? 2 : 1;
+    while (p < a) p <<= 1;
+    return (long long)p > capacity ? (long long)p : capacity;
+}
 
 /* what wm_push(w, v) would leave as the window's largest value, w unchanged */
 static int64_t wm_peek(const WindowMax *w, int64_t v) {
@@ -356,7 +369,14 @@ static int ring_advance(RingCore *r, PyObject *segobj, PyObject *tablesobj, long
         return 0;
     }
     int64_t used = want + pbottom + psize - ptop;
-    if (wm_peek(demand, used) != peak || size < target || size > 2 * target) return 0;
+    /* the demand's new peak and the size it asks for (StagingRing._target, when the
+     * peak moved: a decode loop whose reads grow a little each step moves it often) */
+    int64_t newpeak = wm_peek(demand, used);
+    if (newpeak != peak) {
+        target = ring_target(r->capacity, newpeak);
+        if (target < 0) return 0;
+    }
+    if (size < target || size > 2 * target) return 0;
     /* its tagged launch's tag first (a load of host memory, StagingRing._idle): not yet
      * arrived, and the Python path waits for it; nothing is changed */
     if (slot_tag_done(slot) != 1) return 0;
@@ -412,10 +432,21 @@ static int ring_advance(RingCore *r, PyObject *segobj, PyObject *tablesobj, long
     PyObject *acq = PyLong_FromLongLong(acquires + 1);
     PyObject *idx = acq ? PyLong_FromLongLong(index) : NULL;
     PyObject *zero = idx ? PyLong_FromLong(0) : NULL;
-    if (!zero) {
+    PyObject *npeak = NULL, *ntarget = NULL;
+    if (zero && newpeak != peak) {
+        npeak = PyLong_FromLongLong(newpeak);
+        ntarget = npeak ? PyLong_FromLongLong(target) : NULL;
+    }
+    if (!zero || (newpeak != peak && !ntarget)) {
         Py_XDECREF(acq);
         Py_XDECREF(idx);
+        Py_XDECREF(zero);
+        Py_XDECREF(npeak);
         return -1;
+    }
+    if (ntarget) {
+        Py_SETREF(r->peak, npeak);
+        Py_SETREF(r->target_size, ntarget);
     }
     /* StagingRing.acquire, its common case */
     r->certified = certified;
@@ -486,6 +517,8 @@ static PyMemberDef ringcore_members[] = {
     {"_peak", T_OBJECT_EX, offsetof(RingCore, peak), 0, NULL},
     {"_launcher", T_OBJECT, offsetof(RingCore, launcher), 0,
      "A launcher capsule whose event query advance_fast uses (None: the backend's)."},
+    {"capacity", T_LONGLONG, offsetof(RingCore, capacity), 0,
+     "Bytes of a slot at least (StagingRing's capacity)."},
     {"fast_advances", T_LONGLONG, offsetof(RingCore, fast_advances), READONLY,
      "Steps advanced by advance_fast."},
     {"_certified", T_LONGLONG, offsetof(RingCore, certified), 0, NULL},
