@@ -128,10 +128,8 @@ class Site(cc.CopySite):
         cc.H2D
     )  # input ids, positions, cu_seqlens q/k, logits indices, carry-over, processor args
     CARRY_OVER = cc.H2D  # async: the rest of the carry-over row, which the graph indexes whole
-    WRITE_INDEX = cc.H2D  # KV-cache slots the step writes, per layer group
-    WRITE_PAD = cc.FILL  # ... and their padded tail (the cache's write trash index)
-    READ_INDEX = cc.H2D  # KV-cache slots the step reads, per layer group
-    READ_PAD = cc.FILL  # ... and their padded tail (the read trash index)
+    WRITE_INDEX = cc.H2D  # KV-cache slots the step writes, every layer group, pad included
+    READ_INDEX = cc.H2D  # KV-cache slots the step reads, every layer group, pad included
     BLOCK_TABLE = cc.H2D  # decode fast path (flash attention): pages per request
     OUTPUT_RESET = (
         cc.FILL
@@ -144,9 +142,7 @@ SITE_BUFFERS = {
     Site.BULK: "_bulk_input_tensor",
     Site.CARRY_OVER: "_bulk_input_tensor",
     Site.WRITE_INDEX: "write_index_storage",
-    Site.WRITE_PAD: "write_index_storage",
     Site.READ_INDEX: "read_index_storage",
-    Site.READ_PAD: "read_index_storage",
     Site.BLOCK_TABLE: "block_table",
     Site.OUTPUT_RESET: "output_ids",
     Site.MASK: "attention_mask",
@@ -224,12 +220,10 @@ class _Buffers:
         self.h_read = host.read_index_storage.numpy()
         self.h_table = host.block_table.numpy()
         self.d_bulk = dev._bulk_input_tensor
-        self.d_write = list(dev.write_index_storage)
-        self.d_read = list(dev.read_index_storage)
+        self.d_write = dev.write_index_storage
+        self.d_read = dev.read_index_storage
         self.d_table = list(dev.block_table)
         self.d_out = list(dev.output_ids)
-        self.write_trash = int(dev._write_trash_index)
-        self.read_trash = int(dev._read_trash_index)
         self.guards: list = []  # every HostGuard below, for writing()
 
         def guard(arr, largest: int, label: str):
@@ -241,8 +235,8 @@ class _Buffers:
             return g
 
         self.g_bulk = guard(self.h_bulk, self.h_bulk[:, : self.tokens + 1].nbytes, "bulk")
-        self.g_write = guard(self.h_write, self.h_write[0].nbytes, "write_index_storage")
-        self.g_read = guard(self.h_read, self.h_read[0].nbytes, "read_index_storage")
+        self.g_write = guard(self.h_write, self.h_write.nbytes, "write_index_storage")
+        self.g_read = guard(self.h_read, self.h_read.nbytes, "read_index_storage")
         self.g_table = guard(
             self.h_table, self.h_table[0].nbytes if len(self.h_table) else 0, "block_table"
         )
@@ -461,8 +455,12 @@ class CucopyRoute:
         self.copier = copier
         self.in_place_min_bytes = int(in_place_min_bytes)
         self.in_place = Counter()  # in-place (guarded) copies by site
-        #: per upload: ns in begin(), staging (in-place copies aside), in-place copies, flush()
+        #: per upload while :attr:`timed`: ns in begin(), staging (in-place copies aside),
+        #: in-place copies, flush()
         self.phases: list = []
+        #: whether :meth:`upload` times its phases (off: no clock readings in the step)
+        self.timed = False
+        self._in_place_ns = 0
         self._io = io
         opts = {"is_pinned": copier.backend.is_pinned, "min_bytes": self.in_place_min_bytes}
         if self.is_async:
@@ -550,7 +548,7 @@ class CucopyRoute:
 
         Its reset ranges for ``q = num_q_tokens`` query tokens and ``kv = max_kv_read``
         cached ones hold everything it writes: bulk rows ``[:q + 1]``, the write index
-        ``[:q]`` and read index ``[:q + kv]`` of each group (or the block table's
+        ``[:q]`` and read index ``[:q + kv]`` of every group (or the block table's
         ``[:b]`` rows, ``b = min(q, max_requests)``), and the mask's ``[:q, :q + kv]``.
 
         Parameters
@@ -562,17 +560,23 @@ class CucopyRoute:
         reset_outputs : bool
             Also zero ``output_ids[:, :b]`` on the device (sync: the engine's step does).
 
-        Each upload appends its phases to :attr:`phases` (ns in ``begin()``, in staging
-        less the in-place copies, in those copies, in ``flush()``).
+        With :attr:`timed` set, each upload appends its phases to :attr:`phases` (ns in
+        ``begin()``, in staging less the in-place copies, in those copies, in
+        ``flush()``); unset, it takes no clock readings.
         """
+        if not self.timed:
+            with self.copier.step():
+                self._stage(bufs, carry_over, reset_outputs)
+            return
         c = self.copier
         clock = time.perf_counter_ns
         t0 = clock()
         step = c.step()
         step.__enter__()  # begin(): as ``with c.step():``, timed phase by phase
         t1 = clock()
+        self._in_place_ns = 0
         try:
-            in_place_ns = self._stage(bufs, carry_over, reset_outputs)
+            self._stage(bufs, carry_over, reset_outputs)
         except BaseException:
             if not step.__exit__(*sys.exc_info()):
                 raise
@@ -580,57 +584,62 @@ class CucopyRoute:
         t2 = clock()
         step.__exit__(None, None, None)  # flush()
         t3 = clock()
-        self.phases.append((t1 - t0, t2 - t1 - in_place_ns, in_place_ns, t3 - t2))
+        ns = self._in_place_ns
+        self.phases.append((t1 - t0, t2 - t1 - ns, ns, t3 - t2))
 
-    def _stage(self, bufs: _Buffers, carry_over: bool, reset_outputs: bool) -> int:
-        """Stage one step's regions (see :meth:`upload`); returns the ns the in-place
-        copies took."""
+    def _stage(self, bufs: _Buffers, carry_over: bool, reset_outputs: bool) -> None:
+        """Stage one step's regions (see :meth:`upload`).
+
+        The write and read indices go as one region each, every group's row up to
+        ``q`` and ``q + kv``, as the engine's own copy uploads them (whole): its
+        ``prepare_batch_tensors`` resets exactly those ranges to the cache's trash
+        indices before writing the true ones, so past the true sizes the host holds the
+        pad the model must see.
+        """
         h = bufs.host
-        q, kv = h.num_q_tokens, h.max_kv_read
-        b = min(q, h.max_requests_per_batch)
-        c = self.copier
+        q = h.num_q_tokens
         put = self._put
-        ns = put(Site.BULK, bufs.bulk(q + 1), bufs.h_bulk[:, : q + 1], bufs.g_bulk)
+        put(Site.BULK, bufs.bulk(q + 1), bufs.h_bulk[:, : q + 1], bufs.g_bulk)
         if carry_over and q + 1 < bufs.tokens:
             src = bufs.h_bulk[6, q + 1 : bufs.tokens]
-            ns += put(Site.CARRY_OVER, bufs.carry_tail(q + 1), src, bufs.g_bulk)
+            put(Site.CARRY_OVER, bufs.carry_tail(q + 1), src, bufs.g_bulk)
         if reset_outputs:
+            b = min(q, h.max_requests_per_batch)
             for r, row in enumerate(bufs.d_out):
-                c.fill_tail(Site.OUTPUT_RESET, bufs.head(("out", r), row, b), 0, 0)
+                self.copier.fill_tail(Site.OUTPUT_RESET, bufs.head(("out", r), row, b), 0, 0)
         if h.use_block_table:
+            b = min(q, h.max_requests_per_batch)
             for g, table in enumerate(bufs.d_table):
                 dst = bufs.head(("table", g), table, b)
-                ns += put(Site.BLOCK_TABLE, dst, bufs.h_table[g, :b], bufs.g_table)
+                put(Site.BLOCK_TABLE, dst, bufs.h_table[g, :b], bufs.g_table)
         else:
-            for g, (dw, dr) in enumerate(zip(bufs.d_write, bufs.d_read)):
-                nw, nr = h.true_write_sizes[g], h.true_read_sizes[g]
-                if nw:
-                    dst = bufs.head(("w", g), dw, nw)
-                    ns += put(Site.WRITE_INDEX, dst, bufs.h_write[g, :nw], bufs.g_write)
-                c.fill_tail(Site.WRITE_PAD, bufs.head(("w", g), dw, q), nw, bufs.write_trash)
-                if nr:
-                    dst = bufs.head(("r", g), dr, nr)
-                    ns += put(Site.READ_INDEX, dst, bufs.h_read[g, :nr], bufs.g_read)
-                c.fill_tail(Site.READ_PAD, bufs.head(("r", g), dr, q + kv), nr, bufs.read_trash)
-        rows, cols = q, q + kv
-        if rows and cols:
+            groups, n = len(bufs.h_write), q + h.max_kv_read
+            if q:
+                dst = bufs.block("w", bufs.d_write, groups, q)
+                put(Site.WRITE_INDEX, dst, bufs.h_write[:, :q], bufs.g_write)
+            if n:
+                dst = bufs.block("r", bufs.d_read, groups, n)
+                put(Site.READ_INDEX, dst, bufs.h_read[:, :n], bufs.g_read)
+        if q and bufs.masks:
+            n = q + h.max_kv_read
             for i, (h_mask, d_mask, guard) in enumerate(bufs.masks):
-                dst = bufs.block(("mask", i), d_mask, rows, cols)
-                ns += put(Site.MASK, dst, h_mask[:rows, :cols], guard)
-        return ns
+                put(Site.MASK, bufs.block(("mask", i), d_mask, q, n), h_mask[:q, :n], guard)
 
-    def _put(self, site, dst, src, guard) -> int:
+    def _put(self, site, dst, src, guard) -> None:
         """Copy host region ``src`` to ``dst``: in place through ``guard`` when it is at
-        least ``in_place_min_bytes`` (see Notes), else merged. Returns the ns an in-place
-        copy took (0 when merged)."""
+        least ``in_place_min_bytes`` (see Notes), else merged (with :attr:`timed`, the
+        in-place copy's ns are added to the step's)."""
         n = src.nbytes
         if guard is None or n < self.in_place_min_bytes or not n:
             self.copier.copy(site, dst, src)
-            return 0
+            return
+        self.in_place[site] += 1
+        if not self.timed:
+            self.copier.copy(site, dst, src, guard=guard)
+            return
         t0 = time.perf_counter_ns()
         self.copier.copy(site, dst, src, guard=guard)
-        self.in_place[site] += 1
-        return time.perf_counter_ns() - t0
+        self._in_place_ns += time.perf_counter_ns() - t0
 
     def stats_text(self) -> str:
         """``copier.stats`` and the in-place copies, for printing."""

@@ -167,7 +167,7 @@ def test_plan_merges_every_site_and_each_site_names_its_buffer(ex):
     assert ex.PLAN.flush_after == frozenset()
     assert set(ex.SITE_BUFFERS) == set(ex.Site)
     fills = {s for s in ex.Site if s.direction is ex.cc.FILL}
-    assert fills == {ex.Site.WRITE_PAD, ex.Site.READ_PAD, ex.Site.OUTPUT_RESET}
+    assert fills == {ex.Site.OUTPUT_RESET}
 
 
 def test_copy_accumulators_is_the_scalar_half_of_the_engines_transfer(ex, engine):
@@ -213,6 +213,7 @@ def test_sync_routed_run_writes_what_the_engine_prepares(ex, engine, in_place_mi
     tokens, differences = routed_run(engine, route)
 
     assert tokens == engine.reference
+    assert route.phases == []  # untimed: no clock readings in the upload
     assert len(differences) > 3
     # every step, the device holds exactly what the engine's preparation wrote on the
     # host twin: what its unmodified step writes into the device buffers directly
@@ -241,6 +242,18 @@ def test_sync_routed_run_writes_what_the_engine_prepares(ex, engine, in_place_mi
         }
     else:
         assert not route.in_place and not copier.guarded and not route.guards
+
+
+def test_a_timed_route_records_each_uploads_phases(ex, engine):
+    copier = ex.PlainCopier()
+    route = ex.CucopyRoute(engine.processor, copier, in_place_min_bytes=0)
+    route.timed = True
+    tokens, differences = routed_run(engine, route)
+    assert tokens == engine.reference and differences == [[]] * len(differences)
+    # one (begin, staging, in-place copies, flush) tuple of ns per upload
+    assert len(route.phases) == copier.steps == len(differences)
+    assert all(len(p) == 4 and min(p) >= 0 for p in route.phases)
+    assert all(p[2] > 0 for p in route.phases)  # every step's mask went in place
 
 
 @pytest.mark.parametrize(
@@ -431,7 +444,13 @@ def test_async_pair_upload_gives_the_model_what_the_host_prepared(ex, engine, nu
     copier = ex.PlainCopier()
     assert async_steps(ex, engine, copier, num, query, past) == [[]] * 3
     assert copier.steps == 3
-    sites = {ex.Site.BULK, ex.Site.CARRY_OVER, ex.Site.WRITE_PAD, ex.Site.MASK}
+    sites = {
+        ex.Site.BULK,
+        ex.Site.CARRY_OVER,
+        ex.Site.WRITE_INDEX,
+        ex.Site.READ_INDEX,
+        ex.Site.MASK,
+    }
     assert {s for s, _ in copier.calls} >= sites
     assert copier.guarded[ex.Site.MASK] == 3  # the mask went in place (1 KiB and more)
 
@@ -452,9 +471,7 @@ def test_async_decode_fast_path_uploads_the_block_table(ex, engine, monkeypatch)
     assert any(async_steps(ex, engine, Drops(), 3, 1, 40, steps=2, fast_path=True))
 
 
-@pytest.mark.parametrize(
-    "site", ["BULK", "CARRY_OVER", "WRITE_INDEX", "WRITE_PAD", "READ_INDEX", "READ_PAD", "MASK"]
-)
+@pytest.mark.parametrize("site", ["BULK", "CARRY_OVER", "WRITE_INDEX", "READ_INDEX", "MASK"])
 def test_async_seam_broken_is_caught(ex, engine, site):
     dropped = ex.Site[site]
 
