@@ -32,8 +32,8 @@ the engine holds sees the same objects.
 
 What goes up is what the step's ``prepare_batch_tensors`` rewrote on the host (its reset
 ranges, which hold everything it writes), one named :class:`Site` per buffer, every byte
-through the copier (no side copies): padded tails of the KV index buffers are
-``fill_tail`` fills; a region of :data:`IN_PLACE_MIN_BYTES` or more (the attention mask,
+through the copier (no side copies): each KV index buffer as one region, every layer
+group's row with its padded tail (the reset wrote the pad on the host); a region of :data:`IN_PLACE_MIN_BYTES` or more (the attention mask,
 or a bulk block that large) is read in place from the engine's pinned buffer through a
 ``cc.HostGuard`` instead of snapshotted, and the engine's host writes of those buffers
 are fenced by the guards' ``write()`` (see :class:`CucopyRoute`); the rest is merged.
