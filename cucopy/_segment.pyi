@@ -202,6 +202,7 @@ class RingCore:
     _target_size: object
     _peak: object
     _launcher: object
+    capacity: int
     @property
     def fast_advances(self) -> int: ...
     _certified: int
