@@ -1826,7 +1826,11 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
             if tagged:
                 slot.tag = step
             else:
-                slot.dirty = True  # read when the launch runs: the slot's event follows it
+                # read when the launch runs: the slot's event follows it. (Where no graph
+                # may launch on the stream, the backend launched it mapped, uncarried;
+                # the compiled flush carries it instead. Either reads at most the
+                # segment, and the armed cell[0] is never copied: slot.tag stays -1.)
+                slot.dirty = True
             if end < start + gcap:
                 self._seg.set_cursor(start + gcap)
             return "mapped"

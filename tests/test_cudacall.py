@@ -1694,11 +1694,26 @@ def test_auto_carries_what_a_graph_would_not_read_or_its_threshold_forbids(mappe
     c.close()
 
 
-def test_a_graph_that_does_not_launch_leaves_the_segment_to_a_plain_mapped_launch():
-    # graphed() launching nothing (every graph of the pool another stream's): the
-    # staging core hands the cut back, and the Python path's scatter_graphed launches
-    # it another way
-    c, Site, dev, fake, problems = _landing_copier("mapped", events=True, graphs=True)
+@pytest.mark.parametrize("tags", [False, True], ids=["untagged", "tagged"])
+@pytest.mark.parametrize("mode", ["mapped", "auto"])
+def test_a_stream_with_no_graph_left_lands_by_a_carried_launch_in_the_compiled_flush(mode, tags):
+    # every graph of the Driver's pool last launched on another stream: graphed()
+    # answers -1 and launches nothing, and the compiled flush goes on to its carried
+    # launches (auto: the whole segment carried; mapped: its header and table), as if
+    # the segment were never graphed: no tag armed in the slot, the slot's event
+    # recorded for a mapped launch, the slot's next segment right after this one (no
+    # graph's read to step past). The Python twin's scatter_graphed (the sim's) still
+    # launches it graphed: the bytes land either way.
+    from cucopy import copier as copier_mod
+
+    copier_mod.TAGS, saved = tags, copier_mod.TAGS
+    try:
+        c, Site, dev, fake, problems = _landing_copier(mode, events=True, graphs=True)
+    finally:
+        copier_mod.TAGS = saved
+    assert c._tags == tags
+    c._mapped_max = 1 << 20  # (auto: small segments would go graphed)
+    compiled = copier_mod._CopierCore is not copier_mod.PyCopierCore
     s = _launcher_struct(c._launcher)
     assert s.graph_cap == pack.GRAPH_CAPACITY
     graphed = ctypes.PYFUNCTYPE(
@@ -1706,11 +1721,42 @@ def test_a_graph_that_does_not_launch_leaves_the_segment_to_a_plain_mapped_launc
     )(s.graphed)
     for i in range(_cudacall.GRAPH_POOL):  # every graph stream 99's (the copier's is 77)
         assert graphed(s.drv, 99, 0xF0000000 + 0x10000 * i) == 0
+    assert graphed(s.drv, 77, 0xF0000000) == -1
     fake.graph_launches.clear()
     problems.clear()  # those addresses are not the sim's: their landing failed
-    _steps_of_eight(c, Site, dev, 3)
-    assert fake.graph_launches == [] and problems == []
-    assert c.stats.modes["mapped"] == 3  # the sim's scatter_graphed, mapped all the same
+    updates = c._test_driver.graph_updates
+    a, b = dev.zeros((8,), np.int32), dev.zeros((6,), np.int32)
+    steps = 2 * c._ring.slots
+    for k in range(steps):
+        with c.step():
+            c.copy(Site.A, a, np.arange(8, dtype=np.int32) + k)
+            c.flush()  # a barrier: a second segment in the step
+            first_end = c._seg.cursor
+            c.copy(Site.B, b, np.arange(6, dtype=np.int32) * k)
+        if compiled:  # (a graphed launch would have moved the next segment past 8 KiB)
+            assert first_end < pack.GRAPH_CAPACITY
+        dev.synchronize()
+        assert dev.to_host(a).tolist() == list(range(k, k + 8))
+        assert dev.to_host(b).tolist() == [i * k for i in range(6)]
+    assert problems == []
+    assert fake.graph_launches == [] and c._test_driver.graph_updates == updates
+    if compiled:
+        # every segment through the compiled flush, by a carried launch on the stream
+        assert c._fast_flushes == 2 * steps
+        assert len(fake.launches) == 2 * steps
+        assert {r["stream"] for r in fake.launches} == {77}
+        carried = [struct.unpack_from("<I", r["buffer"], 8)[0] for r in fake.launches]
+        if mode == "auto":
+            assert c.stats.modes["inline"] == 2 * steps
+        else:  # the header and table carried, the data read mapped: the slot's event
+            assert c.stats.modes["mapped"] == 2 * steps
+            head = pack.align(pack.HEADER_BYTES + pack.DESC_BYTES)  # one copy a segment
+            assert carried == [head] * (2 * steps)
+            assert len(fake.records) >= steps
+        assert all(s_.tag == -1 for s_ in c._ring._slots if s_ is not None)
+    else:
+        assert c._fast_flushes == 0
+        assert c.stats.modes["mapped"] == 2 * steps  # the sim's scatter_graphed
     c.close()
 
 
