@@ -10,8 +10,8 @@ the header and table carried in the launch's parameters and the data mapped
 largest parameter buffer fall back to "carried", then to "mapped"), and
 ``cucopy_scatter_w8k`` launched through the one-node graphs of
 ``CudaBackend.scatter_graphed`` ("graphed": each segment at one of four places of
-the mapped staging, one graph each, each launch's completion tag checked written
-back, bad segments' too), and compares the device arena with
+the mapped staging, a graph of the pool pointed at each, each launch's completion tag
+checked written back, bad segments' too), and compares the device arena with
 :func:`cucopy.pack.reference_scatter` applied to a host copy of it. Also checks
 ``cucopy_fill``. ``tests/test_kernel_gpu.py`` runs the same harness; this
 script exists to run it under compute-sanitizer.
@@ -305,7 +305,7 @@ class Harness:
 
     def _run_graphed(self, segments: list[Segment]) -> None:
         """Each segment at one of four places of the mapped staging, launched through the
-        one-node graph made for that place (``CudaBackend.scatter_graphed``: its kernel
+        one-node graph pointed at that place (``CudaBackend.scatter_graphed``: its kernel
         reads ``pack.GRAPH_CAPACITY`` bytes there, and the rest of a longer segment from
         mapped memory); a round of four is waited for before its places are rewritten."""
         stride = self.stage_bytes // 4
@@ -498,9 +498,10 @@ def main(argv: list[str] | None = None) -> int:
     if "graphed" in modes:
         fast = h.backend._bound
         made = fast.graph_count if fast is not None else 0
+        pointed = fast.graph_updates if fast is not None else 0
         print(
-            f"graphed: {made} graphs made (none: the launches fell back to mapped), "
-            f"{h.tagged} completion tags written back",
+            f"graphed: a pool of {made} graphs (none: the launches fell back to mapped), "
+            f"{pointed} re-pointed, {h.tagged} completion tags written back",
             flush=True,
         )
         if not made:

@@ -19,11 +19,14 @@
  * bytes from host on may be read (the driver reads the carrying kernel's whole
  * capacity). With too few it copies, as carried() does.
  *
- * graphed() returns the CUresult of cuGraphLaunch (or of making the graph), or a
- * negative value when it launched nothing (no graphs, another context current, or its
- * table of graphs full): the caller then launches the segment another way. The graph's
- * kernel reads the segment when it runs, as a mapped launch does: its slot's event must
- * follow it, and all graph_cap bytes at seg stay unwritten until that event completes.
+ * graphed() returns the CUresult of cuGraphLaunch (or of re-pointing a graph of the
+ * driver's pool at seg: cuGraphExecKernelNodeSetParams), or a negative value when it
+ * launched nothing: -1 when no graph may launch on this stream (no graphs, or every
+ * graph of the pool last launched on another stream), the caller then launching the
+ * segment another way; OTHER_CONTEXT (-2) when another context is current. No graph
+ * is made after set-up. The graph's kernel reads the segment when it runs, as a mapped
+ * launch does: its slot's event must follow it, and all graph_cap bytes at seg stay
+ * unwritten until that event completes.
  *
  * copy() (ABI 6, with graphed_tag) is the eager path's one driver copy (_core/copier.c,
  * core_eager).
@@ -45,9 +48,9 @@ typedef struct {
     int (*query)(void *drv, unsigned long long event);
     int (*carried_at)(void *drv, unsigned long long nblocks, unsigned long long stream,
                       unsigned long long seg, char *host, size_t nbytes, size_t readable);
-    /* graphed() launches the one-node graph made for segment address seg (made at its
-     * first use): its kernel reads graph_cap bytes at seg when it runs. graph_cap is 0
-     * (and graphed NULL) when the driver offers no graphs. */
+    /* graphed() launches a one-node graph of the driver's pool (made at set-up) pointed
+     * at segment address seg: its kernel reads graph_cap bytes at seg when it runs.
+     * graph_cap is 0 when the driver offers no graphs (graphed then answers -1). */
     int (*graphed)(void *drv, unsigned long long stream, unsigned long long seg);
     size_t graph_cap;
     /* capturing() is cuStreamIsCapturing: the CUresult, *status the capture status;

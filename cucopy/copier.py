@@ -343,9 +343,10 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
         backend's largest parameter buffer (32 KiB on CUDA 12.1 or later). Where
         the backend launches graphs (CUDA, with the compiled driver calls),
         ``mapped`` and ``auto`` launch a segment of at most 8 KiB through a
-        one-node CUDA graph made once per ring slot, whose kernel reads the
-        segment from the slot: half a kernel launch's host time, for about 2 µs
-        more GPU time than ``inline``'s carried launch.
+        one-node CUDA graph (made with the copier, re-pointed at a ring slot's
+        segment as needed), whose kernel reads the segment from the slot: half
+        a kernel launch's host time, for about 2 µs more GPU time than
+        ``inline``'s carried launch.
     wait_timeout : float, optional
         Seconds any host wait of this copier may last (a ring slot still in flight,
         :meth:`close`, the slot an eager copy or a larger step needs) before it raises
@@ -405,9 +406,10 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
         caps = self._backend.carry_capacities()
         self._carry_max = caps[-1] if caps else 0
         # "mapped" and "auto" segments of at most this many bytes are launched graphed
-        # (a one-node graph per segment address, launched as made: about half a kernel
-        # launch's host time, for ~2 us more GPU time at 6 KB than carrying them, which
-        # "inline" does: bench/README.md, session 12); 0: the backend has no graphs
+        # (a one-node graph of a pool the backend makes now, re-pointed at a segment
+        # address as needed: about half a kernel launch's host time, for ~2 us more GPU
+        # time at 6 KB than carrying them, which "inline" does: bench/README.md, session
+        # 12); 0: the backend has no graphs
         self._graph_cap = self._backend.graph_capacity()
         if flush_mode != "dma" and not self._backend.mapped_coherent():
             # mapped memory proven incoherent (GPU confidential computing): every
@@ -1824,7 +1826,11 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
             if tagged:
                 slot.tag = step
             else:
-                slot.dirty = True  # read when the launch runs: the slot's event follows it
+                # read when the launch runs: the slot's event follows it. (Where no graph
+                # may launch on the stream, the backend launched it mapped, uncarried;
+                # the compiled flush carries it instead. Either reads at most the
+                # segment, and the armed cell[0] is never copied: slot.tag stays -1.)
+                slot.dirty = True
             if end < start + gcap:
                 self._seg.set_cursor(start + gcap)
             return "mapped"

@@ -224,11 +224,12 @@ FEED_ENTRY_POINT = "cucopy_scatter_feed"
 FEED_MAX = 4096
 assert FEED_HEAD_BYTES == 32, "internal: feed entry head size changed"
 
-# Graphed segments (scatter.cu, cucopy_scatter_w8k): a one-node CUDA graph per segment
-# address, made once and launched as it was made (cuGraphLaunch takes about half the
-# host time of cuLaunchKernel: bench/results/2026-12-02-h200-probes-session11). Its
-# kernel reads the first GRAPH_CAPACITY bytes at that address into shared memory in one
-# round, so a segment of at most that many bytes is read from mapped memory at once.
+# Graphed segments (scatter.cu, cucopy_scatter_w8k): a one-node CUDA graph pointed at a
+# segment address, one of a pool the compiled driver calls make at set-up and re-point
+# as needed (backends/_cudacall.c; cuGraphLaunch takes about half the host time of
+# cuLaunchKernel: bench/results/2026-12-02-h200-probes-session11). Its kernel reads the
+# first GRAPH_CAPACITY bytes at that address into shared memory in one round, so a
+# segment of at most that many bytes is read from mapped memory at once.
 # The copier launches "mapped" and "auto" segments this way ("inline" carries small
 # ones instead: less GPU time, more host time).
 # The host must leave all GRAPH_CAPACITY bytes readable and unwritten until the

@@ -174,6 +174,12 @@ def _drivers_before_fakes():
             c._launcher = c._ring._launcher = c._test_driver = None
     gc.collect()  # the Drivers go while their fakes' callbacks still exist
     _KEEP.clear()
+    _GRAPH_FAKES.clear()
+
+
+#: every GraphFake of the module's tests, kept to its end: a Driver's dealloc calls the
+#: fake's graph destroy callbacks, whenever the Driver goes (see _drivers_before_fakes)
+_GRAPH_FAKES: list = []
 
 
 _GRAPH_CREATE = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint)
@@ -190,6 +196,7 @@ _GRAPH_INST = ctypes.CFUNCTYPE(
 )
 _GRAPH_LAUNCH = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
 _GRAPH_DESTROY = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
+_GRAPH_SET = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)
 WHOLE = 0x3A0  # the whole-segment kernel's fake CUfunction
 
 
@@ -209,17 +216,27 @@ class _NodeParams(ctypes.Structure):
 
 
 class GraphFake(FakeDriver):
-    """FakeDriver with cuGraphCreate .. cuGraphExecDestroy: records each graph's kernel
-    node (function, grid, block, its one argument) and each launch of an executable."""
+    """FakeDriver with cuGraphCreate .. cuGraphExecKernelNodeSetParams_v2: records each
+    graph's kernel node (function, grid, block, its two arguments), each launch of an
+    executable (with the node record as the executable's parameters stand then) and
+    each re-pointing of one."""
 
     def __init__(self):
         super().__init__()
-        self.nodes = {}  # graph -> node record
-        self.execs = {}  # exec -> node record
+        self.nodes = {}  # graph -> node record (as added)
+        self.node_of = {}  # graph -> its kernel node's handle
+        self.execs = {}  # exec -> node record (as the exec's launches run it now)
+        self.graph_of = {}  # exec -> the graph it was instantiated from
+        self.created = []  # graphs made (cuGraphCreate)
+        self.instantiated = []  # execs made (cuGraphInstantiateWithFlags)
         self.graph_launches = []  # (node record, stream)
+        self.exec_launches = []  # (exec, stream)
+        self.set_params = []  # (exec, node record set) of each SetParams call
         self.destroyed = []  # graphs destroyed
         self.exec_destroyed = []
         self.graph_result = 0  # CUresult cuGraphLaunch returns
+        self.set_result = 0  # CUresult cuGraphExecKernelNodeSetParams returns
+        self.fail_instantiate = {}  # instantiate call's index -> the CUresult it returns
         self._next = 0x6000
         self._keep = [
             _GRAPH_CREATE(self.create),
@@ -228,41 +245,66 @@ class GraphFake(FakeDriver):
             _GRAPH_LAUNCH(self.graph_launch),
             _GRAPH_DESTROY(self.destroy),
             _GRAPH_DESTROY(self.exec_destroy),
+            _GRAPH_SET(self.exec_set_params),
         ]
         self.graph_addrs = tuple(ctypes.cast(f, ctypes.c_void_p).value for f in self._keep)
+        self._calls = 0  # instantiate calls so far
+        _GRAPH_FAKES.append(self)  # its callbacks outlive any Driver (see _GRAPH_FAKES)
 
     def _handle(self):
         self._next += 16
         return self._next
 
-    def create(self, out, flags):
-        out[0] = g = self._handle()
-        self.nodes[g] = None
-        return 0
-
-    def add(self, out, graph, deps, ndeps, params):
+    @staticmethod
+    def _node_record(params):
         p = _NodeParams.from_address(params)
-        arg = ctypes.cast(p.params[0], ctypes.POINTER(ctypes.c_uint64))[0]
-        cell = ctypes.cast(p.params[1], ctypes.POINTER(ctypes.c_uint64))[0]
-        self.nodes[graph] = {
+        return {
             "f": p.func,
             "grid": tuple(p.grid),
             "block": tuple(p.block),
-            "seg": arg,
-            "cell": cell,  # the completion tag's device address (0: none)
+            "seg": ctypes.cast(p.params[0], ctypes.POINTER(ctypes.c_uint64))[0],
+            # the completion tag's device address (0: none)
+            "cell": ctypes.cast(p.params[1], ctypes.POINTER(ctypes.c_uint64))[0],
             "extra": p.extra,
         }
-        out[0] = self._handle()
+
+    def create(self, out, flags):
+        out[0] = g = self._handle()
+        self.nodes[g] = None
+        self.created.append(g)
+        return 0
+
+    def add(self, out, graph, deps, ndeps, params):
+        self.nodes[graph] = self._node_record(params)
+        out[0] = self.node_of[graph] = self._handle()
         return 0
 
     def instantiate(self, out, graph, flags):
+        rc = self.fail_instantiate.get(self._calls, 0)
+        self._calls += 1
+        if rc:
+            return rc
         out[0] = e = self._handle()
         self.execs[e] = self.nodes[graph]
+        self.graph_of[e] = graph
+        self.instantiated.append(e)
         return 0
 
     def graph_launch(self, exec_, stream):
         self.graph_launches.append((self.execs[exec_], stream or 0))
+        self.exec_launches.append((exec_, stream or 0))
         return self.graph_result
+
+    def exec_set_params(self, exec_, node, params):
+        rec = self._node_record(params)
+        self.set_params.append((exec_, rec))
+        # the node named is the one of the graph the exec was instantiated from
+        if (node or 0) != self.node_of[self.graph_of[exec_]]:
+            return 400  # CUDA_ERROR_INVALID_HANDLE
+        if self.set_result:
+            return self.set_result
+        self.execs[exec_] = rec  # a new record: the launches made before keep theirs
+        return 0
 
     def destroy(self, graph):
         self.destroyed.append(graph)
@@ -591,7 +633,7 @@ def test_a_bound_driver_calls_nothing_from_another_context():
     assert d.is_capturing(0) == _cudacall.OTHER_CONTEXT_STATUS < 0
     assert d.graphed(0, 0x1000) == _cudacall.OTHER_CONTEXT
     assert len(fake.launches) == 2  # nothing reached the driver
-    assert fake.graph_launches == [] and d.graph_count == 0
+    assert fake.graph_launches == [] and fake.set_params == [] and d.graph_updates == 0
     with pytest.raises(ValueError):
         d.bind(0, 0x1111)
 
@@ -908,48 +950,221 @@ def test_a_launcher_keeps_its_driver_alive():
 
 
 @needs_ext
-def test_a_graph_is_made_once_per_segment_address_and_launched_as_made():
+def test_graphs_makes_the_pool_and_no_graph_is_made_after():
+    # the pool's one-node graphs are made inside graphs() (set-up, the device's context
+    # current), each graph kept for its node; however many segments launch after, none
+    # is made: a new one re-points a graph of the pool
     fake = GraphFake()
-    d = _graph_driver(fake)
-    assert d.graph_cap == pack.GRAPH_CAPACITY and d.graph_count == 0
-    for seg in (0x1000, 0x1000, 0x9000, 0x1000):
+    d = _driver(fake)
+    assert d.graph_count == 0 and d.graph_updates == 0
+    d.graphs(*fake.graph_addrs, WHOLE, pack.GRAPH_CAPACITY)
+    pool = _cudacall.GRAPH_POOL
+    assert pool == 16 and d.graph_count == pool
+    assert len(fake.created) == len(fake.instantiated) == pool
+    assert fake.destroyed == []  # kept: re-pointing names the node of the exec's graph
+    # each: one node of the whole-segment kernel, grid 1, no segment or tag yet
+    assert [fake.execs[e] for e in fake.instantiated] == [
+        {
+            "f": WHOLE,
+            "grid": (1, 1, 1),
+            "block": (pack.THREADS, 1, 1),
+            "seg": 0,
+            "cell": 0,
+            "extra": None,
+        }
+    ] * pool
+    segs = [0x100000 + 0x4000 * i for i in range(3 * pool)]
+    for seg in segs:
         assert d.graphed(0x77, seg) == 0
-    assert d.graph_count == 2
-    # each graph: one node of the whole-segment kernel, grid 1, its segment the argument
+        assert d.graphed(0x77, seg, seg - 64) == 0
+    assert len(fake.created) == len(fake.instantiated) == d.graph_count == pool
+    assert d.graph_updates == len(fake.set_params) == 2 * len(segs)
     nodes = [n for n, _ in fake.graph_launches]
-    assert [n["seg"] for n in nodes] == [0x1000, 0x1000, 0x9000, 0x1000]
-    assert {(n["f"], n["grid"], n["block"]) for n in nodes} == {
-        (WHOLE, (1, 1, 1), (pack.THREADS, 1, 1))
+    assert [(n["seg"], n["cell"]) for n in nodes] == [
+        x for seg in segs for x in ((seg, 0), (seg, seg - 64))
+    ]
+    assert {(n["f"], n["grid"], n["block"], n["extra"]) for n in nodes} == {
+        (WHOLE, (1, 1, 1), (pack.THREADS, 1, 1), None)
     }
-    assert all(n["extra"] is None for n in nodes)
     assert {st for _, st in fake.graph_launches} == {0x77}
-    assert len(fake.destroyed) == 2  # each graph once instantiated
     assert fake.launches == []  # no kernel launch
     fake.graph_result = 719
-    assert d.graphed(0x77, 0x9000) == 719  # the driver's error, as is
-    del d
-    import gc
-
-    gc.collect()
-    assert len(fake.exec_destroyed) == 2  # the executables go with the Driver
+    assert d.graphed(0x77, segs[-1]) == 719  # the driver's error, as is
 
 
 @needs_ext
-def test_graphed_launches_nothing_before_graphs_or_with_its_table_full():
+def test_a_new_segment_re_points_the_least_recently_launched_graph():
+    fake = GraphFake()
+    d = _graph_driver(fake)
+    pool = _cudacall.GRAPH_POOL
+    keys = [(0x10000 * (i + 1), 0x10000 * (i + 1) - 64 if i % 2 else 0) for i in range(pool)]
+
+    def launch(stream, seg, cell):
+        return d.graphed(stream, seg, cell) if cell else d.graphed(stream, seg)
+
+    for seg, cell in keys:  # the never-launched graphs first, one each
+        assert launch(5, seg, cell) == 0
+    exec_of = {(r["seg"], r["cell"]): e for e, r in fake.set_params}
+    assert len(set(exec_of.values())) == pool
+    assert launch(5, *keys[0]) == 0  # launched as pointed: keys[1]'s is now the oldest
+    n = len(fake.set_params)
+    assert launch(5, 0xABC000, 0xABC000 - 64) == 0
+    (e, rec), *_ = fake.set_params[n:]
+    assert len(fake.set_params) == n + 1 and e == exec_of[keys[1]]
+    assert (rec["seg"], rec["cell"]) == (0xABC000, 0xABC000 - 64)
+    assert (rec["f"], rec["grid"], rec["block"]) == (WHOLE, (1, 1, 1), (pack.THREADS, 1, 1))
+    node, st = fake.graph_launches[-1]
+    assert (node["seg"], node["cell"], st) == (0xABC000, 0xABC000 - 64, 5)  # the new args
+    assert launch(5, *keys[1]) == 0  # gone: re-points the next oldest, keys[2]'s
+    assert fake.set_params[-1][0] == exec_of[keys[2]] and d.graph_updates == n + 2
+    node, _ = fake.graph_launches[-1]
+    assert (node["seg"], node["cell"]) == keys[1]
+
+
+@needs_ext
+def test_a_repeat_segment_on_its_stream_launches_with_no_re_pointing():
+    fake = GraphFake()
+    d = _graph_driver(fake)
+    calls = [(0x1000, 0), (0x1000, 0x0FC0), (0x1000, 0x0FC0), (0x1000, 0), (0x9000, 0x8FC0)]
+    for seg, cell in calls:
+        assert (d.graphed(0x77, seg, cell) if cell else d.graphed(0x77, seg)) == 0
+    # the tag's address is the kernel's second argument: tagged and untagged are two
+    assert d.graph_updates == len(fake.set_params) == 3
+    assert [(n["seg"], n["cell"]) for n, _ in fake.graph_launches] == calls
+    for _ in range(5):
+        assert d.graphed(0x77, 0x1000, 0) == 0  # cell 0: untagged
+        assert d.graphed(0x77, 0x9000, 0x8FC0) == 0
+    assert d.graph_updates == 3 and d.graph_count == _cudacall.GRAPH_POOL
+    assert fake.graph_launches[-1][0]["seg"] == 0x9000
+    with pytest.raises(TypeError, match=r"graphed\(stream, seg\[, cell\]\)"):
+        d.graphed(0x77)
+
+
+@needs_ext
+def test_a_graph_last_launched_on_one_stream_never_launches_on_another():
+    # launches of one executable are ordered behind its last launch on any stream: a
+    # graph is the stream's it last launched on, and a stream with none left gets -1
+    fake = GraphFake()
+    d = _graph_driver(fake)
+    pool = _cudacall.GRAPH_POOL
+    for i in range(10):
+        assert d.graphed(0xA, 0x10000 * (i + 1)) == 0
+    a_execs = {e for e, _ in fake.set_params}
+    assert d.graphed(0xB, 0x10000) == 0  # A's segment: B re-points a graph of its own
+    for i in range(pool - 10 - 1):
+        assert d.graphed(0xB, 0x900000 + 0x10000 * i) == 0
+    b_execs = {e for e, _ in fake.set_params} - a_execs
+    assert len(b_execs) == pool - 10
+    for i in range(20):  # B's new segments re-point B's graphs, never A's
+        assert d.graphed(0xB, 0xF00000 + 0x10000 * i) == 0
+        assert fake.set_params[-1][0] in b_execs
+    for i in range(20):  # and A's, A's
+        assert d.graphed(0xA, 0xE00000 + 0x10000 * i) == 0
+        assert fake.set_params[-1][0] in a_execs
+    streams_of: dict = {}  # every executable's launches on one stream
+    for e, st in fake.exec_launches:
+        streams_of.setdefault(e, set()).add(st)
+    assert len(streams_of) == pool and all(len(v) == 1 for v in streams_of.values())
+    assert {e for e, v in streams_of.items() if v == {0xA}} == a_execs
+
+    # once every graph is A's, B launches none: -1, nothing launched or re-pointed
+    fake = GraphFake()
+    d = _graph_driver(fake)
+    for i in range(pool):
+        assert d.graphed(0xA, 0x10000 * (i + 1)) == 0
+    n, updates = len(fake.graph_launches), d.graph_updates
+    assert d.graphed(0xB, 0x10000) == -1  # A's segment too: A's graph
+    assert d.graphed(0xB, 0x777000, 0x777000 - 64) == -1
+    assert len(fake.graph_launches) == n and d.graph_updates == updates
+    assert d.graphed(0xA, 0x10000) == 0  # A's still launch
+
+
+@needs_ext
+def test_a_refused_re_pointing_returns_its_error_and_keeps_the_graph_as_it_was():
+    fake = GraphFake()
+    d = _graph_driver(fake)
+    for i in range(_cudacall.GRAPH_POOL - 1):  # all graphs but one another stream's
+        assert d.graphed(0xA, 0x10000 * (i + 1)) == 0
+    assert d.graphed(5, 0x5000, 0x5000 - 64) == 0  # stream 5's one graph
+    n, updates = len(fake.graph_launches), d.graph_updates
+    fake.set_result = 1  # CUDA_ERROR_INVALID_VALUE
+    assert d.graphed(5, 0x6000) == 1  # the driver's error, as is
+    assert len(fake.graph_launches) == n and d.graph_updates == updates + 1
+    fake.set_result = 0
+    assert d.graphed(5, 0x5000, 0x5000 - 64) == 0  # still pointed there: no re-pointing
+    assert d.graph_updates == updates + 1
+    node, st = fake.graph_launches[-1]
+    assert (node["seg"], node["cell"], st) == (0x5000, 0x5000 - 64, 5)
+
+
+@needs_ext
+def test_the_pool_s_graphs_and_executables_go_with_the_driver():
+    import gc
+
+    fake = GraphFake()
+    d = _graph_driver(fake)
+    for i in range(40):
+        assert d.graphed(i % 3, 0x10000 * (i + 1)) == 0
+    assert fake.destroyed == [] and fake.exec_destroyed == []
+    del d
+    gc.collect()
+    assert sorted(fake.exec_destroyed) == sorted(fake.instantiated)
+    assert sorted(fake.destroyed) == sorted(fake.created)
+    assert len(fake.created) == _cudacall.GRAPH_POOL
+
+
+@needs_ext
+def test_a_pool_short_of_graphs_keeps_those_made_and_none_made_raises():
+    import gc
+
+    # making the fifth failed: the pool is the four made before it (the fifth's graph
+    # destroyed at once), and they launch
+    fake = GraphFake()
+    fake.fail_instantiate = {4: 2}  # CUDA_ERROR_OUT_OF_MEMORY
+    d = _graph_driver(fake)
+    assert d.graph_count == 4 and d.graph_cap == pack.GRAPH_CAPACITY
+    assert fake.destroyed == [fake.created[4]] and len(fake.created) == 5
+    for i in range(9):
+        assert d.graphed(7, 0x10000 * (i + 1)) == 0
+    assert len({e for e, _ in fake.set_params}) == 4
+    # the first failed: an error with the CUresult, and no graphs (graphed() answers -1)
+    fake = GraphFake()
+    fake.fail_instantiate = {0: 2}
+    d = _driver(fake)
+    with pytest.raises(RuntimeError, match="CUresult 2") as info:
+        d.graphs(*fake.graph_addrs, WHOLE, pack.GRAPH_CAPACITY)
+    assert info.value.status == 2
+    assert d.graph_count == 0 and d.graph_cap == 0 and d.graphed(7, 0x1000) == -1
+    assert fake.destroyed == fake.created and fake.graph_launches == []
+    d.graphs(*fake.graph_addrs, WHOLE, pack.GRAPH_CAPACITY)  # set-up may try again
+    assert d.graph_count == _cudacall.GRAPH_POOL and d.graphed(7, 0x1000) == 0
+    del d
+    gc.collect()
+    assert sorted(fake.exec_destroyed) == sorted(fake.instantiated)
+
+
+@needs_ext
+def test_graphed_launches_nothing_before_graphs_and_graphs_checks_its_arguments():
     fake = GraphFake()
     d = _driver(fake)
     assert d.graph_cap == 0 and d.graphed(1, 0x1000) == -1
+    assert fake.created == []
     d.graphs(*fake.graph_addrs, WHOLE, pack.GRAPH_CAPACITY)
-    for i in range(_cudacall.MAX_GRAPHS):
-        assert d.graphed(1, 0x10000 * (i + 1)) == 0
-    assert d.graphed(1, 0x1) == -1  # full: the caller launches it another way
-    assert d.graphed(1, 0x10000) == 0  # the graphs made still launch
+    assert d.graphed(1, 0x1000) == 0
     with pytest.raises(RuntimeError, match="already set"):
         d.graphs(*fake.graph_addrs, WHOLE, pack.GRAPH_CAPACITY)
+    assert len(fake.created) == _cudacall.GRAPH_POOL  # (the second made none)
     with pytest.raises(ValueError, match="null"):
         _driver(fake).graphs(0, *fake.graph_addrs[1:], WHOLE, pack.GRAPH_CAPACITY)
+    with pytest.raises(ValueError, match="null"):
+        _driver(fake).graphs(*fake.graph_addrs[:6], 0, WHOLE, pack.GRAPH_CAPACITY)
     with pytest.raises(ValueError, match="multiple of 16"):
         _driver(fake).graphs(*fake.graph_addrs, WHOLE, 100)
+    with pytest.raises(RuntimeError, match="kernels"):
+        _cudacall.Driver(*fake.addrs).graphs(*fake.graph_addrs, WHOLE, pack.GRAPH_CAPACITY)
+    with pytest.raises(TypeError):  # the old arity (no exec_set_params)
+        _driver(fake).graphs(*fake.graph_addrs[:6], WHOLE, pack.GRAPH_CAPACITY)
+    assert len(fake.created) == _cudacall.GRAPH_POOL
 
 
 @needs_ext
@@ -974,22 +1189,6 @@ def test_the_launcher_offers_graphed_launches_once_graphs_are_set():
     node, _ = fake.graph_launches[-1]
     assert (node["seg"], node["cell"]) == (0x4000, 0x4000 + pack.TAG_AT)
     assert fake.graph_launches[0][0]["cell"] == 0  # the untagged graph: no tag
-
-
-@needs_ext
-def test_a_graph_is_made_once_per_segment_address_and_tag():
-    # the tag's address is the kernel's second argument, fixed in the graph: a tagged
-    # and an untagged launch of one segment are two graphs, each launched as made
-    fake = GraphFake()
-    d = _graph_driver(fake)
-    calls = [(0x1000, 0), (0x1000, 0x0FC0), (0x1000, 0x0FC0), (0x1000, 0), (0x9000, 0x8FC0)]
-    for seg, cell in calls:
-        assert (d.graphed(0x77, seg, cell) if cell else d.graphed(0x77, seg)) == 0
-    assert d.graph_count == 3
-    assert [(n["seg"], n["cell"]) for n, _ in fake.graph_launches] == calls
-    assert d.graphed(0x77, 0x1000, 0) == 0 and d.graph_count == 3  # cell 0: untagged
-    with pytest.raises(TypeError, match=r"graphed\(stream, seg\[, cell\]\)"):
-        d.graphed(0x77)
 
 
 def _two_copy_steps(env, c, site, steps: int) -> None:
@@ -1037,18 +1236,21 @@ def test_on_a_gpu_inline_segments_launch_from_the_staging_core(env):
 @needs_both
 @pytest.mark.parametrize("mode", ["mapped", "auto"])
 def test_on_a_gpu_small_segments_launch_graphed_and_wait_for_their_slots(env, mode):
-    # mapped and auto: a step of 1.2 KB goes through the one-node graph made for its
-    # slot's address, from the staging core; behind a stalled stream the host stages
-    # more steps than the ring has slots, and each reuse waits for the slot's own launch
+    # mapped and auto: a step of 1.2 KB goes through a one-node graph of the pool
+    # pointed at its slot's address, from the staging core; behind a stalled stream the
+    # host stages more steps than the ring has slots, and each reuse waits for the
+    # slot's own launch
     c, site = _gpu_copier(env, flush_mode=mode, slots=2)
     fast = c._backend._bound
     if fast is None or not fast.graph_cap:
         pytest.skip("no graphed launches on this driver")
     assert c._graph_cap == pack.GRAPH_CAPACITY
-    made = fast.graph_count
+    made, updates = fast.graph_count, fast.graph_updates
+    assert made == _cudacall.GRAPH_POOL  # made with the copier, before any step
     _two_copy_steps(env, c, site, 4)
     assert c.stats.modes["mapped"] == 4 and c.stats.modes["inline"] == 0
-    assert c._fast_flushes == 4 and fast.graph_count - made == 2  # one a slot
+    assert c._fast_flushes == 4 and fast.graph_updates - updates == 2  # one a slot
+    assert fast.graph_count == made  # none made since
     outs = [env.empty((300,)) for _ in range(6)]
     with env.hold(c._stream_obj if c._stream_obj is not None else env.default_stream):
         for k, o in enumerate(outs[:2]):  # both slots in flight behind the hold
@@ -1371,8 +1573,8 @@ def test_a_mapped_segment_lands_from_the_staging_core_with_its_event(mode):
 
 
 def test_small_mapped_segments_launch_graphed_with_their_events():
-    # a mapped segment of at most pack.GRAPH_CAPACITY bytes is launched through the
-    # one-node graph made for its address (compiled: the staging core's flush calls
+    # a mapped segment of at most pack.GRAPH_CAPACITY bytes is launched through a
+    # one-node graph pointed at its address (compiled: the staging core's flush calls
     # the launcher's graphed(); Python twin: the backend's scatter_graphed()); the
     # step's first writes its slot's completion tag, the second (a later reader of the
     # slot) has the slot's event recorded after it; the kernel reads GRAPH_CAPACITY
@@ -1408,8 +1610,11 @@ def test_small_mapped_segments_launch_graphed_with_their_events():
         segs = [n["seg"] for n, _ in fake.graph_launches]
         assert len(segs) == 2 * steps
         assert {st for _, st in fake.graph_launches} == {77}
-        # one graph per segment address: the slots' first and second segments
+        # a graph pointed at each segment address (the slots' first and second
+        # segments) once, then launched as pointed: no graph made
         assert len(set(segs)) == 2 * c._ring.slots
+        assert c._test_driver.graph_updates == 2 * c._ring.slots
+        assert c._test_driver.graph_count == _cudacall.GRAPH_POOL
         tagged = [n["cell"] for n, _ in fake.graph_launches]
         # the first segment of each step tagged (the tag in the slot's headroom), the
         # second not: its event recorded after it, from C, one a step
@@ -1489,21 +1694,69 @@ def test_auto_carries_what_a_graph_would_not_read_or_its_threshold_forbids(mappe
     c.close()
 
 
-def test_a_graph_that_does_not_launch_leaves_the_segment_to_a_plain_mapped_launch():
-    # graphed() launching nothing (its table full): the staging core hands the cut
-    # back, and the Python path's scatter_graphed launches it another way
-    c, Site, dev, fake, problems = _landing_copier("mapped", events=True, graphs=True)
-    for i in range(_cudacall.MAX_GRAPHS):  # fill the Driver's table with other addresses
-        assert _launcher_struct(c._launcher).graph_cap == pack.GRAPH_CAPACITY
-        graphed = ctypes.PYFUNCTYPE(
-            ctypes.c_int, ctypes.c_void_p, ctypes.c_ulonglong, ctypes.c_ulonglong
-        )(_launcher_struct(c._launcher).graphed)
-        assert graphed(_launcher_struct(c._launcher).drv, 77, 0xF0000000 + 0x10000 * i) == 0
+@pytest.mark.parametrize("tags", [False, True], ids=["untagged", "tagged"])
+@pytest.mark.parametrize("mode", ["mapped", "auto"])
+def test_a_stream_with_no_graph_left_lands_by_a_carried_launch_in_the_compiled_flush(mode, tags):
+    # every graph of the Driver's pool last launched on another stream: graphed()
+    # answers -1 and launches nothing, and the compiled flush goes on to its carried
+    # launches (auto: the whole segment carried; mapped: its header and table), as if
+    # the segment were never graphed: no tag armed in the slot, the slot's event
+    # recorded for a mapped launch, the slot's next segment right after this one (no
+    # graph's read to step past). The Python twin's scatter_graphed (the sim's) still
+    # launches it graphed: the bytes land either way.
+    from cucopy import copier as copier_mod
+
+    copier_mod.TAGS, saved = tags, copier_mod.TAGS
+    try:
+        c, Site, dev, fake, problems = _landing_copier(mode, events=True, graphs=True)
+    finally:
+        copier_mod.TAGS = saved
+    assert c._tags == tags
+    c._mapped_max = 1 << 20  # (auto: small segments would go graphed)
+    compiled = copier_mod._CopierCore is not copier_mod.PyCopierCore
+    s = _launcher_struct(c._launcher)
+    assert s.graph_cap == pack.GRAPH_CAPACITY
+    graphed = ctypes.PYFUNCTYPE(
+        ctypes.c_int, ctypes.c_void_p, ctypes.c_ulonglong, ctypes.c_ulonglong
+    )(s.graphed)
+    for i in range(_cudacall.GRAPH_POOL):  # every graph stream 99's (the copier's is 77)
+        assert graphed(s.drv, 99, 0xF0000000 + 0x10000 * i) == 0
+    assert graphed(s.drv, 77, 0xF0000000) == -1
     fake.graph_launches.clear()
     problems.clear()  # those addresses are not the sim's: their landing failed
-    _steps_of_eight(c, Site, dev, 3)
-    assert fake.graph_launches == [] and problems == []
-    assert c.stats.modes["mapped"] == 3  # the sim's scatter_graphed, mapped all the same
+    updates = c._test_driver.graph_updates
+    a, b = dev.zeros((8,), np.int32), dev.zeros((6,), np.int32)
+    steps = 2 * c._ring.slots
+    for k in range(steps):
+        with c.step():
+            c.copy(Site.A, a, np.arange(8, dtype=np.int32) + k)
+            c.flush()  # a barrier: a second segment in the step
+            first_end = c._seg.cursor
+            c.copy(Site.B, b, np.arange(6, dtype=np.int32) * k)
+        if compiled:  # (a graphed launch would have moved the next segment past 8 KiB)
+            assert first_end < pack.GRAPH_CAPACITY
+        dev.synchronize()
+        assert dev.to_host(a).tolist() == list(range(k, k + 8))
+        assert dev.to_host(b).tolist() == [i * k for i in range(6)]
+    assert problems == []
+    assert fake.graph_launches == [] and c._test_driver.graph_updates == updates
+    if compiled:
+        # every segment through the compiled flush, by a carried launch on the stream
+        assert c._fast_flushes == 2 * steps
+        assert len(fake.launches) == 2 * steps
+        assert {r["stream"] for r in fake.launches} == {77}
+        carried = [struct.unpack_from("<I", r["buffer"], 8)[0] for r in fake.launches]
+        if mode == "auto":
+            assert c.stats.modes["inline"] == 2 * steps
+        else:  # the header and table carried, the data read mapped: the slot's event
+            assert c.stats.modes["mapped"] == 2 * steps
+            head = pack.align(pack.HEADER_BYTES + pack.DESC_BYTES)  # one copy a segment
+            assert carried == [head] * (2 * steps)
+            assert len(fake.records) >= steps
+        assert all(s_.tag == -1 for s_ in c._ring._slots if s_ is not None)
+    else:
+        assert c._fast_flushes == 0
+        assert c.stats.modes["mapped"] == 2 * steps  # the sim's scatter_graphed
     c.close()
 
 

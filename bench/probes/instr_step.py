@@ -58,22 +58,30 @@ int launch(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned
 int capturing(void *stream, int *status) { *status = 0; return 0; }
 int record(void *event, void *stream) { return 0; }
 int query(void *event) { return 0; }
-/* a graph per handle, each with its kernel's tag address (cell: the device address of
- * a slot's completion tag, 0 for none); mapped_off turns it into the host address (the
+/* a graph per handle (its node and executable the same handle), each with its kernel's
+ * tag address (cell: the device address of a slot's completion tag, 0 for none), set
+ * when the node is added or re-pointed; mapped_off turns it into the host address (the
  * simulated device maps pinned memory at host + mapped_off) */
 long long mapped_off;
 static unsigned long long cells[64];
 static int ngraphs;
 static char handles[64];
+/* CUDA_KERNEL_NODE_PARAMS_v2: kernelParams after func, grid, block and shmem */
+static unsigned long long cell_of(const void *p) {
+    void **params = *(void ***)((const char *)p + 8 + 7 * 4 + 4);
+    return *(unsigned long long *)params[1];
+}
 int graph_create(void **g, unsigned flags) { *g = handles + (ngraphs & 63); return 0; }
 int graph_add(void **node, void *g, void *const *deps, unsigned long n, const void *p) {
-    /* CUDA_KERNEL_NODE_PARAMS_v2: kernelParams after func, grid, block and shmem */
-    void **params = *(void ***)((const char *)p + 8 + 7 * 4 + 4);
-    cells[(char *)g - handles] = *(unsigned long long *)params[1];
+    cells[(char *)g - handles] = cell_of(p);
     *node = g;
     return 0;
 }
 int graph_inst(void **e, void *g, unsigned long long flags) { *e = g; ngraphs++; return 0; }
+int graph_set(void *e, void *node, const void *p) {
+    cells[(char *)e - handles] = cell_of(p);
+    return 0;
+}
 /* the kernel's last act: the tag's first word copied to its second */
 int graph_launch(void *e, void *stream) {
     unsigned long long cell = cells[(char *)e - handles];
@@ -106,6 +114,7 @@ _GRAPH_FNS = (
     "graph_launch",
     "graph_destroy",
     "graph_destroy",
+    "graph_set",
 )
 
 

@@ -361,7 +361,7 @@ static PyObject *copiercore_flush_fast(CopierCore *c, PyObject *unused) {
     Py_ssize_t n;
     if (cut_impl(seg, carries ? inline_max : -1, &off, &end, &nblocks, &n) < 0) return NULL;
     int64_t total = end - off, head = HEADER_BYTES + (int64_t)n * DESC_BYTES;
-    PyObject *how;
+    PyObject *how = NULL;
     long long gcap = c->graph_cap;
     if (mapped_max >= 0 && (mapped_only || (is_auto && total <= mapped_max)) && E->graphed &&
         gcap > 0 && (size_t)gcap <= E->graph_cap &&
@@ -383,13 +383,25 @@ static PyObject *copiercore_flush_fast(CopierCore *c, PyObject *unused) {
         } else {
             rc = E->graphed(E->drv, stream, dev + (unsigned long long)off);
         }
-        if (rc != 0) goto cut;
-        if (seg->cursor < off + gcap) seg->cursor = off + gcap;
-        how = S->s_mapped;
-        if (tag)
-            slot->tag = step;
-        else
-            Py_SETREF(slot->dirty, Py_NewRef(Py_True));
+        if (rc == 0) {
+            if (seg->cursor < off + gcap) seg->cursor = off + gcap;
+            how = S->s_mapped;
+            if (tag)
+                slot->tag = step;
+            else
+                Py_SETREF(slot->dirty, Py_NewRef(Py_True));
+        } else if (rc != -1) {
+            goto cut; /* the driver's error (or another context): flush()'s body's */
+        }
+        /* -1: no graph may launch on this stream (every graph of the driver's pool last
+         * launched on another stream): the branches below launch it, as if it were
+         * never graphed (_land's scatter_graphed launches it mapped, uncarried, then).
+         * Nothing above changed but the tag's armed host word, which is harmless: no
+         * kernel was handed the cell to copy it, slot->tag stays -1 so no wait reads
+         * the tag, and the slot's next arming writes the word anew */
+    }
+    if (how) {
+        /* launched graphed: nothing more to launch */
     } else if (carries && total <= inline_max) {
         if (launch_carried(seg, L, nblocks, stream, dev + (unsigned long long)off, total) != 0)
             goto cut;

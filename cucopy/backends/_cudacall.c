@@ -88,17 +88,36 @@ typedef int (*graph_launch_fn)(void *exec, void *stream);
 typedef int (*graph_destroy_fn)(void *graph);
 typedef int (*graph_exec_destroy_fn)(void *exec);
 
-/* graphs a Driver makes at most (one per segment address and tag: a ring's slots,
- * usually offset 0 of each, so a few per copier); when full, graphed() launches nothing */
-#define MAX_GRAPHS 64
-/* the graphs by a hash of (seg, cell): twice MAX_GRAPHS buckets, so a lookup probes a
- * bucket or two and touches two cache lines (a scan of the table touched up to 24: a
- * ring's slots come round in turn, so a remembered last graph never matched) */
-#define GRAPH_BUCKETS 128
+typedef int (*graph_exec_set_params_fn)(void *exec, void *node, const KernelNodeParams *params);
+
+/* The one-node graphs of the whole-segment kernel: a pool of GRAPH_POOL made by graphs()
+ * (set-up), none ever made after it. Making a graph mid-run may block the host until
+ * the device drains, a hang behind a kernel that spins until the host acts
+ * (bench/probes/graph_hold.py); re-pointing one (cuGraphExecKernelNodeSetParams) only
+ * changes its executable's future launches (the driver API's reference: those already
+ * enqueued or running are unaffected). The calls hold the GIL, which serializes them
+ * (graph objects are not thread-safe).
+ * An entry last launched on one stream is never launched on another: launches of one
+ * executable are ordered behind its previous launch on any stream, a cross-stream
+ * dependency no copier asked for. A ring's slots come round in turn, each a segment
+ * address or two (tagged or not), so a copier's stream keeps a few entries pointed at
+ * its own and re-points none once they are; with every entry another stream's,
+ * graphed() launches nothing (-1) and the caller launches the segment another way. */
+#define GRAPH_POOL 16
+/* an entry's stream before its first launch (0 is a stream: the legacy default one) */
+#define NEVER_LAUNCHED (~0ULL)
+/* what a lookup compares (kept apart from the handles: a scan of the pool reads these
+ * 16 x 24 bytes, six or seven cache lines, and on a hit nothing else but its handles
+ * and last-use word) */
 typedef struct {
     unsigned long long seg, cell; /* the kernel's two arguments (cell 0: no tag) */
+    unsigned long long stream;    /* of its last launch (NEVER_LAUNCHED: none yet) */
+} GraphKey;
+typedef struct {
     void *exec;
-} Graph;
+    void *graph; /* kept: re-pointing names the node of the graph the exec came from */
+    void *node;
+} GraphHandles;
 
 /* what the calls answer, without calling the driver, when the thread's current
  * context is not the one bind() named: the backend's checked path then runs */
@@ -138,11 +157,15 @@ typedef struct {
     graph_launch_fn graph_launch;
     graph_destroy_fn graph_destroy;
     graph_exec_destroy_fn graph_exec_destroy;
+    graph_exec_set_params_fn graph_set_params;
     void *whole;      /* cucopy_scatter_w8k */
     size_t graph_cap; /* the bytes it reads at its segment (0: no graphs) */
-    int ngraphs;
-    unsigned char bucket[GRAPH_BUCKETS]; /* index + 1 of a graph hashed there (0: empty) */
-    Graph graphs[MAX_GRAPHS];
+    int ngraphs;      /* the pool's entries made (graphs()) */
+    unsigned long long graph_updates; /* cuGraphExecKernelNodeSetParams calls */
+    unsigned long long graph_clock;   /* launches of the pool's entries so far */
+    GraphKey gkey[GRAPH_POOL];
+    unsigned long long gused[GRAPH_POOL]; /* graph_clock at its last launch (0: never) */
+    GraphHandles ghandle[GRAPH_POOL];
 } Driver;
 
 /* 1 when the calling thread's current context is the bound one (or none is bound) */
@@ -171,18 +194,23 @@ static int Driver_init(Driver *self, PyObject *args, PyObject *kw) {
     self->event_query = NULL;
     self->htod = NULL;
     self->copy2d = NULL;
-    self->graph_launch = NULL;
-    self->whole = NULL;
-    self->graph_cap = 0;
-    self->ngraphs = 0;
-    memset(self->bucket, 0, sizeof self->bucket);
+    if (!self->ngraphs) { /* (a pool made stays: dealloc frees it) */
+        self->graph_launch = NULL;
+        self->whole = NULL;
+        self->graph_cap = 0;
+        self->graph_updates = 0;
+        self->graph_clock = 0;
+    }
     return 0;
 }
 
-/* the graphs' executables are freed (those in flight when their launches complete) */
+/* the pool's executables and graphs are freed (an executable in flight when its
+ * launches complete) */
 static void Driver_dealloc(Driver *self) {
-    if (self->graph_exec_destroy)
-        for (int i = 0; i < self->ngraphs; i++) self->graph_exec_destroy(self->graphs[i].exec);
+    for (int i = 0; i < self->ngraphs; i++) {
+        self->graph_exec_destroy(self->ghandle[i].exec);
+        self->graph_destroy(self->ghandle[i].graph);
+    }
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -275,17 +303,52 @@ static PyObject *Driver_kernels(Driver *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* graphs(create, add_kernel_node, instantiate, launch, destroy, exec_destroy, kernel, cap):
- * cuGraphCreate's, cuGraphAddKernelNode_v2's, cuGraphInstantiateWithFlags',
- * cuGraphLaunch's, cuGraphDestroy's and cuGraphExecDestroy's addresses, the
- * whole-segment kernel (cucopy_scatter_w8k) and the bytes it reads; until then
- * graphed() launches nothing */
+/* the kernel node of a pool entry: the whole-segment kernel, one block, its arguments
+ * seg and cell (the driver copies them from args during the call) */
+static KernelNodeParams node_params(Driver *self, unsigned long long args[2], void *params[2]) {
+    params[0] = &args[0];
+    params[1] = &args[1];
+    KernelNodeParams np = {self->whole, 1, 1, 1, self->threads, 1, 1, 0, params, NULL, NULL,
+                           NULL};
+    return np;
+}
+
+/* make pool entry i (seg 0, cell 0, never launched): 0, or the failing call's CUresult
+ * with nothing of it left */
+static int make_entry(Driver *self, int i) {
+    void *graph = NULL, *node = NULL, *exec = NULL;
+    int rc = self->graph_create(&graph, 0);
+    if (rc) return rc;
+    unsigned long long args[2] = {0, 0};
+    void *params[2];
+    KernelNodeParams np = node_params(self, args, params);
+    rc = self->graph_add_kernel(&node, graph, NULL, 0, &np);
+    if (!rc) rc = self->graph_instantiate(&exec, graph, 0);
+    if (rc) {
+        self->graph_destroy(graph);
+        return rc;
+    }
+    self->gkey[i] = (GraphKey){0, 0, NEVER_LAUNCHED};
+    self->gused[i] = 0;
+    self->ghandle[i] = (GraphHandles){exec, graph, node};
+    return 0;
+}
+
+/* graphs(create, add_kernel_node, instantiate, launch, destroy, exec_destroy,
+ * exec_set_params, kernel, cap): cuGraphCreate's, cuGraphAddKernelNode_v2's,
+ * cuGraphInstantiateWithFlags', cuGraphLaunch's, cuGraphDestroy's, cuGraphExecDestroy's
+ * and cuGraphExecKernelNodeSetParams_v2's addresses, the whole-segment kernel
+ * (cucopy_scatter_w8k) and the bytes it reads. Makes the pool of GRAPH_POOL one-node
+ * graphs now (the device's context must be current), the only graphs this Driver ever
+ * makes. When making one fails, the pool is those made before it; when the first
+ * fails, RuntimeError (its status attribute the CUresult) and nothing set: graphed()
+ * launches nothing, as before graphs(). Needs kernels() first (the block size). */
 static PyObject *Driver_graphs(Driver *self, PyObject *args) {
-    unsigned long long f[7], cap = 0;
-    if (!PyArg_ParseTuple(args, "KKKKKKKK", &f[0], &f[1], &f[2], &f[3], &f[4], &f[5], &f[6],
-                          &cap))
+    unsigned long long f[8], cap = 0;
+    if (!PyArg_ParseTuple(args, "KKKKKKKKK", &f[0], &f[1], &f[2], &f[3], &f[4], &f[5], &f[6],
+                          &f[7], &cap))
         return NULL;
-    for (int i = 0; i < 7; i++)
+    for (int i = 0; i < 8; i++)
         if (!f[i]) {
             PyErr_SetString(PyExc_ValueError, "graphs: a null entry point or kernel");
             return NULL;
@@ -294,69 +357,100 @@ static PyObject *Driver_graphs(Driver *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "graphs: the capacity must be a multiple of 16");
         return NULL;
     }
+    if (!self->threads) {
+        PyErr_SetString(PyExc_RuntimeError, "graphs: kernels() first (the block size)");
+        return NULL;
+    }
     if (self->ngraphs) {
-        PyErr_SetString(PyExc_RuntimeError, "graphs: already set, and graphs made");
+        PyErr_SetString(PyExc_RuntimeError, "graphs: already set, its graphs made");
         return NULL;
     }
     self->graph_create = (graph_create_fn)(uintptr_t)f[0];
     self->graph_add_kernel = (graph_add_kernel_fn)(uintptr_t)f[1];
     self->graph_instantiate = (graph_instantiate_fn)(uintptr_t)f[2];
-    self->graph_launch = (graph_launch_fn)(uintptr_t)f[3];
     self->graph_destroy = (graph_destroy_fn)(uintptr_t)f[4];
     self->graph_exec_destroy = (graph_exec_destroy_fn)(uintptr_t)f[5];
-    self->whole = (void *)(uintptr_t)f[6];
+    self->graph_set_params = (graph_exec_set_params_fn)(uintptr_t)f[6];
+    self->whole = (void *)(uintptr_t)f[7];
+    int rc = 0, n = 0;
+    while (n < GRAPH_POOL && !(rc = make_entry(self, n))) n++;
+    if (!n) {
+        self->whole = NULL;
+        PyObject *msg = PyUnicode_FromFormat(
+            "graphs: making the pool's first graph failed: CUresult %d", rc);
+        PyObject *e = msg ? PyObject_CallOneArg(PyExc_RuntimeError, msg) : NULL;
+        Py_XDECREF(msg);
+        PyObject *status = e ? PyLong_FromLong(rc) : NULL;
+        if (status && PyObject_SetAttrString(e, "status", status) == 0)
+            PyErr_SetObject(PyExc_RuntimeError, e);
+        Py_XDECREF(status);
+        Py_XDECREF(e);
+        return NULL;
+    }
+    self->ngraphs = n; /* (a pool short of GRAPH_POOL: graph_count says so) */
+    self->graph_launch = (graph_launch_fn)(uintptr_t)f[3];
     self->graph_cap = (size_t)cap;
     self->launcher.graph_cap = self->graph_cap;
     Py_RETURN_NONE;
 }
 
-/* the executable graph for segment address seg and tag cell (0: none), made now when
- * there is none: 0 and *exec set, a CUresult when making it failed, or -1 when the
- * table is full */
-static int graph_for(Driver *self, unsigned long long seg, unsigned long long cell, void **exec) {
-    unsigned long long h = (seg ^ (cell * 0x9E3779B97F4A7C15ULL)) * 0xFF51AFD7ED558CCDULL;
-    unsigned b = (unsigned)(h >> 57) & (GRAPH_BUCKETS - 1);
-    for (;; b = (b + 1) & (GRAPH_BUCKETS - 1)) { /* (never full: an empty bucket ends it) */
-        int i = self->bucket[b] - 1;
-        if (i < 0) break;
-        if (self->graphs[i].seg == seg && self->graphs[i].cell == cell) {
-            *exec = self->graphs[i].exec;
+/* the pool entry to launch for (stream, seg, cell) into *at: one pointed at (seg, cell)
+ * and last launched on stream (or never launched), as it is; else the least recently
+ * launched of those last launched on stream (or never), re-pointed at (seg, cell).
+ * 0, -1 when no entry may be launched on stream, or the CUresult of re-pointing when
+ * it failed (the entry left pointed where it was). */
+static int graph_for(Driver *self, unsigned long long stream, unsigned long long seg,
+                     unsigned long long cell, int *at) {
+    const GraphKey *k = self->gkey;
+    int n = self->ngraphs;
+    for (int i = 0; i < n; i++)
+        if (k[i].seg == seg && k[i].cell == cell &&
+            (k[i].stream == stream || k[i].stream == NEVER_LAUNCHED)) {
+            *at = i;
             return 0;
         }
-    }
-    if (self->ngraphs == MAX_GRAPHS) return -1;
-    void *graph = NULL, *node = NULL, *made = NULL;
-    int rc = self->graph_create(&graph, 0);
+    int lru = -1;
+    unsigned long long when = ~0ULL;
+    for (int i = 0; i < n; i++)
+        if ((k[i].stream == stream || k[i].stream == NEVER_LAUNCHED) && self->gused[i] < when) {
+            lru = i;
+            when = self->gused[i];
+        }
+    if (lru < 0) return -1;
+    unsigned long long args[2] = {seg, cell};
+    void *params[2];
+    KernelNodeParams np = node_params(self, args, params);
+    self->graph_updates++;
+    /* (an earlier launch of this executable, still queued or running, is unaffected) */
+    int rc = self->graph_set_params(self->ghandle[lru].exec, self->ghandle[lru].node, &np);
     if (rc) return rc;
-    unsigned long long arg = seg, tag = cell; /* copied into the node when it is added */
-    void *params[2] = {&arg, &tag};
-    KernelNodeParams np = {self->whole, 1, 1, 1, self->threads, 1, 1, 0, params, NULL, NULL,
-                           NULL};
-    rc = self->graph_add_kernel(&node, graph, NULL, 0, &np);
-    if (!rc) rc = self->graph_instantiate(&made, graph, 0);
-    self->graph_destroy(graph); /* the executable keeps what it needs */
-    if (rc) return rc;
-    self->graphs[self->ngraphs] = (Graph){seg, cell, made};
-    self->bucket[b] = (unsigned char)++self->ngraphs; /* the empty bucket the probe ended at */
-    *exec = made;
+    self->gkey[lru].seg = seg;
+    self->gkey[lru].cell = cell;
+    *at = lru;
     return 0;
 }
 
-/* graphed_tag(stream, seg, cell) -> CUresult of cuGraphLaunch of the graph of seg and
- * cell (or of making it), -1 before graphs() or with the table full, OTHER_CONTEXT
- * when another context is current. With cell (the device address of a slot's
- * completion tag, pack.TAG_AT) the kernel copies cell[0] to cell[1] once its reads of
- * the segment are done: no event need follow it. */
+/* graphed_tag(stream, seg, cell) -> CUresult of cuGraphLaunch of a pool entry pointed at
+ * seg and cell (or of re-pointing one there: cuGraphExecKernelNodeSetParams), -1 when
+ * none launched (before graphs(), or every entry last launched on another stream: the
+ * caller launches the segment another way), OTHER_CONTEXT when another context is
+ * current. With cell (the device address of a slot's completion tag, pack.TAG_AT) the
+ * kernel copies cell[0] to cell[1] once its reads of the segment are done: no event
+ * need follow it. Never makes a graph. */
 static int graphed_tag_impl(void *drv, unsigned long long stream, unsigned long long seg,
                             unsigned long long cell) {
     Driver *self = (Driver *)drv;
-    if (!self->graph_launch || !self->whole || !self->threads) return -1;
+    if (!self->graph_launch) return -1;
     if (!same_context(self)) return OTHER_CONTEXT;
-    void *exec = NULL;
-    int rc = graph_for(self, seg, cell, &exec);
-    if (rc) return rc;
+    int i = 0;
+    int rc = graph_for(self, stream, seg, cell, &i);
+    if (rc) return rc; /* none usable (-1), or SetParams' CUresult */
+    /* the entry is this stream's from now on, launched or not (a failed launch may
+     * still have reached the stream: it is never handed to another) */
+    self->gkey[i].stream = stream;
+    self->gused[i] = ++self->graph_clock;
     /* the GIL is held throughout (see the top of this file) */
-    return self->graph_launch(exec, (void *)(uintptr_t)stream);
+    return self->graph_launch(self->ghandle[i].exec, (void *)(uintptr_t)stream);
 }
 
 /* graphed(stream, seg): graphed_tag with no tag (its slot's event must follow it) */
@@ -538,12 +632,23 @@ static PyObject *Driver_graph_count(Driver *self, void *unused) {
     return PyLong_FromLong(self->ngraphs);
 }
 
+static PyObject *Driver_graph_updates(Driver *self, void *unused) {
+    return PyLong_FromUnsignedLongLong(self->graph_updates);
+}
+
 static PyObject *Driver_graph_cap(Driver *self, void *unused) {
     return PyLong_FromSize_t(self->graph_cap);
 }
 
 static PyGetSetDef Driver_getset[] = {
-    {"graph_count", (getter)Driver_graph_count, NULL, "Graphs made so far.", NULL},
+    {"graph_count", (getter)Driver_graph_count, NULL,
+     "Graphs made: the pool graphs() made (GRAPH_POOL, fewer where making one failed; 0 "
+     "before graphs()). None is made after it.",
+     NULL},
+    {"graph_updates", (getter)Driver_graph_updates, NULL,
+     "cuGraphExecKernelNodeSetParams calls: pool entries re-pointed at another segment "
+     "and tag (a refused call counted too).",
+     NULL},
     {"graph_cap", (getter)Driver_graph_cap, NULL,
      "Bytes a graphed launch reads at its segment (0 before graphs()).", NULL},
     {NULL},
@@ -651,12 +756,13 @@ static PyMethodDef Driver_methods[] = {
     {"event_record", (PyCFunction)(void (*)(void))Driver_event_record, METH_FASTCALL,
      "event_record(event, stream) -> CUresult of cuEventRecord; -1 before events()."},
     {"graphs", (PyCFunction)Driver_graphs, METH_VARARGS,
-     "graphs(create, add_kernel_node, instantiate, launch, destroy, exec_destroy, kernel, "
-     "cap): the graph entry points and the whole-segment kernel."},
+     "graphs(create, add_kernel_node, instantiate, launch, destroy, exec_destroy, "
+     "exec_set_params, kernel, cap): the graph entry points and the whole-segment kernel; "
+     "makes the pool of GRAPH_POOL one-node graphs now (the device's context current)."},
     {"graphed", (PyCFunction)(void (*)(void))Driver_graphed, METH_FASTCALL,
-     "graphed(stream, seg[, cell]) -> CUresult of launching the one-node graph of seg (and "
-     "of the completion tag at cell: its kernel copies cell[0] to cell[1] when done); -1: "
-     "none launched."},
+     "graphed(stream, seg[, cell]) -> CUresult of launching a pool graph pointed at seg "
+     "(and at the completion tag at cell: its kernel copies cell[0] to cell[1] when done), "
+     "or of re-pointing one; -1: none launched (every graph another stream's)."},
     {"event_query", (PyCFunction)(void (*)(void))Driver_event_query, METH_FASTCALL,
      "event_query(event) -> CUresult of cuEventQuery (0, 600: not ready); -1 before events()."},
     {"event_wait", (PyCFunction)(void (*)(void))Driver_event_wait, METH_FASTCALL,
@@ -696,7 +802,7 @@ PyMODINIT_FUNC PyInit__cudacall(void) {
     }
     if (PyModule_AddIntConstant(m, "PREFIX", PREFIX) < 0 ||
         PyModule_AddIntConstant(m, "OTHER_CONTEXT", OTHER_CONTEXT) < 0 ||
-        PyModule_AddIntConstant(m, "MAX_GRAPHS", MAX_GRAPHS) < 0 ||
+        PyModule_AddIntConstant(m, "GRAPH_POOL", GRAPH_POOL) < 0 ||
         PyModule_AddIntConstant(m, "OTHER_CONTEXT_STATUS", OTHER_CONTEXT_STATUS) < 0 ||
         PyModule_AddIntConstant(m, "LAUNCHER_ABI", LAUNCHER_ABI) < 0 ||
         PyModule_AddStringConstant(m, "LAUNCHER_NAME", LAUNCHER_NAME) < 0) {

@@ -376,11 +376,12 @@ class Backend:
     def graph_capacity(self) -> int:
         """Bytes a graphed scatter (:meth:`scatter_graphed`) reads at its segment; 0: none.
 
-        A graphed scatter is a mapped launch through a one-node graph made once per
-        segment address and launched as made, which costs the host less than a kernel
-        launch. The copier uses it for ``flush_mode="mapped"`` and ``"auto"`` segments of
-        at most this many bytes, and keeps all of them readable and unwritten until the
-        launch's event completes.
+        A graphed scatter is a mapped launch through a one-node graph, which costs the
+        host less than a kernel launch. The graphs are made when the backend sets up (a
+        small pool, each re-pointed at a segment address as needed; none is made later,
+        as making one may wait for the device). The copier uses it for
+        ``flush_mode="mapped"`` and ``"auto"`` segments of at most this many bytes, and
+        keeps all of them readable and unwritten until the launch's event completes.
         """
         return 0
 
@@ -388,7 +389,8 @@ class Backend:
         """Enqueue the scatter of the segment at ``segment_ptr`` (mapped pinned memory) as
         a graphed launch, which reads :meth:`graph_capacity` bytes there when it runs.
 
-        ``nblocks`` is the segment's, for a backend that launches it another way.
+        ``nblocks`` is the segment's, for a backend that launches it another way (no
+        graph may launch on ``stream``: the backend's graphs are all other streams').
 
         ``cell``: the device address of a completion tag (``pack.TAG_BYTES`` of mapped
         pinned memory, a ring slot's, ``pack.TAG_AT``), or 0 for none. With one, the

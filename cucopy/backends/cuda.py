@@ -594,6 +594,7 @@ _GRAPH_ENTRIES = (
     "cuGraphLaunch",
     "cuGraphDestroy",
     "cuGraphExecDestroy",
+    "cuGraphExecKernelNodeSetParams_v2",
 )
 
 
@@ -754,8 +755,16 @@ class CudaBackend(Backend):
                 fast.kernels(k.scatter, sorted(k.carried.items()), pack.THREADS)
                 graphs = _graph_entries() if k.whole else None
                 if graphs is not None and not os.environ.get("CUCOPY_NO_GRAPHS"):
-                    # graphed launches (one-node graphs of the whole-segment kernel)
-                    fast.graphs(*graphs, k.whole, pack.GRAPH_CAPACITY)
+                    # graphed launches: graphs() makes its pool of one-node graphs of the
+                    # whole-segment kernel now, with the device's context current (none
+                    # is made later: making a graph mid-run may wait for the device to
+                    # drain, bench/probes/graph_hold.py)
+                    try:
+                        self._on_device(fast.graphs, *graphs, k.whole, pack.GRAPH_CAPACITY)
+                    except RuntimeError as e:
+                        if getattr(e, "status", None) is None:
+                            raise
+                        # the driver made no graph: no graphed launches (graph_cap 0)
                 get = _driver_entry("cuCtxGetCurrent")
                 ctx = self._on_device(_current_context)
                 if get is not None and ctx:
@@ -775,17 +784,19 @@ class CudaBackend(Backend):
         return 0 if fast is None else fast.graph_cap
 
     def scatter_graphed(self, segment_ptr: int, nblocks: int, stream, cell: int = 0) -> bool:
-        """Launch the one-node graph made for ``segment_ptr`` and ``cell`` (made at its
-        first use): with ``cell``, its kernel writes the completion tag there when done.
+        """Launch a one-node graph of the compiled driver's pool (made when the kernels
+        load) pointed at ``segment_ptr`` and ``cell``, re-pointing one there when none is:
+        with ``cell``, its kernel writes the completion tag there when done.
 
-        Where no graph launches (another device current, the table of graphs full, no
-        graphs), the segment is launched as an uncarried mapped scatter instead, which
-        reads the same bytes when it runs and writes no tag (False returned).
+        Where no graph launches (another device current, every graph of the pool last
+        launched on another stream, no graphs), the segment is launched as an uncarried
+        mapped scatter instead, which reads the same bytes when it runs and writes no
+        tag (False returned).
 
         Raises
         ------
         CopyError
-            If the driver refused to make or launch the graph.
+            If the driver refused to re-point or launch the graph.
         """
         fast = self._bound
         if fast is None:
@@ -798,7 +809,8 @@ class CudaBackend(Backend):
             return bool(cell)
         if rc > 0:
             e = CopyError(
-                f"{self.describe()}: cuGraphLaunch (a graphed scatter, segment="
+                f"{self.describe()}: cuGraphLaunch or cuGraphExecKernelNodeSetParams (a "
+                f"graphed scatter, segment="
                 f"{segment_ptr:#x}) failed: CUresult {rc}"
             )
             e.status = rc
