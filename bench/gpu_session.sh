@@ -203,6 +203,20 @@ if [[ -n ${AB_BASE:-} ]]; then
         '$PY' bench/probes/ab_inproc.py --base '$AB_BASE' --tree . --src \$s; done"
 fi
 
+# the cold step (step_phases' 64 MiB variant, N = 32) of COLD_BASE (a tree without build
+# outputs, e.g. git archive) and of this tree, in alternating processes, three times each:
+# lent hosts' cold figures differ more than a change does, so compare within one run
+if [[ -n ${COLD_BASE:-} && -d ${COLD_BASE:-} ]]; then
+    step cold_build 120 bash -c "cd '$COLD_BASE' && '$PY' setup.py -q build_ext --inplace"
+    # (tree_nographs: this tree with CUCOPY_NO_GRAPHS=1, no graphed launches' pool made)
+    step ab_cold 240 bash -c "for r in 1 2 3; do for t in base tree tree_nographs; do
+        d=.; [[ \$t == base ]] && d='$COLD_BASE'
+        g=; [[ \$t == tree_nographs ]] && g=1
+        (cd \$d && CUCOPY_NO_GRAPHS=\$g '$PY' bench/probes/step_phases.py --n 32 --steps 1000 --no-floors |
+            grep -E '^N=32 torch dst, numpy src, each after a drained stream and' |
+            sed \"s|^|\$t: |\"); done; done"
+fi
+
 # transformers' continuous batching (generate_batch) unmodified and routed through cucopy,
 # one process per mode; rc 1 on any token mismatch, the targets are in the log and JSON
 # (--watchdog: every thread's stack in the log if a run hangs, before the step's timeout)
