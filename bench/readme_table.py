@@ -40,11 +40,12 @@ ROWS = (
 
 
 def latest_run(results: Path = RESULTS) -> Path:
-    """The stored H200 run folder with the highest run number."""
+    """The stored H200 run folder with the highest run number that holds a bench result
+    (a run of a few probes only, without ``python -m bench``, has no table)."""
     runs = []
     for p in results.iterdir():
         m = re.fullmatch(r"\d{4}-\d{2}-\d{2}-h200\w*-run(\d+)", p.name)
-        if m and p.is_dir():
+        if m and p.is_dir() and any(p.glob("*-nvidia-*.json")):
             runs.append((int(m.group(1)), p))
     return max(runs)[1]
 
