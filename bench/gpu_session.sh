@@ -162,9 +162,9 @@ step step_phases 100 "$PY" bench/probes/step_phases.py --n 32
 # which graphed launch (made now or before, tagged or not) blocks behind a held stream
 step graph_hold 60 bash -c "\"$PY\" bench/probes/graph_hold.py --hold-s 2 &&
     \"$PY\" bench/probes/graph_hold.py --program 2 --mode mapped --hold-s 2"
-# completion tags on (opt-in): the GPU tests that drive graphed launches behind held
-# streams (run 56 hung here while graphs were made mid-run)
-step pytest_tag 150 env CUCOPY_TAG=1 "$PY" -m pytest -m gpu -q -p no:cacheprovider \
+# completion tags off (CUCOPY_TAG=0; pytest_gpu runs them on, the default): the GPU tests
+# that drive graphed launches behind held streams, with the slots' events instead
+step pytest_events 150 env CUCOPY_TAG=0 "$PY" -m pytest -m gpu -q -p no:cacheprovider \
     -o faulthandler_timeout=60 tests/test_properties_env.py tests/test_carry.py tests/test_cudacall.py
 step step_phases_n 60 bash -c "for n in 8 128; do \"$PY\" bench/probes/step_phases.py --n \$n --steps 1000 --no-floors | grep -E '^N='; done"
 # a copy's host cost as a multiple of an empty call (simulated device, both staging paths)

@@ -115,13 +115,15 @@ def config_dict() -> dict[str, Any]:
         ``version``; ``default_backend`` (``name`` and ``why``); ``backends`` (each
         backend's availability); ``staging`` (``"python"`` or the compiled
         twin's name); ``driver_calls`` (``"compiled"`` or ``"python"``: how the CUDA
-        backend launches and queries capture each step); ``check_mode``; ``refuse_unrouted`` (check mode refuses module-level copies
+        backend launches and queries capture each step); ``check_mode``;
+        ``completion_tags`` (whether copiers made now fence graphed launches with their
+        slot's completion tag rather than an event); ``refuse_unrouted`` (check mode refuses module-level copies
         with no copier to route to); ``unrouted`` (those copies so far, by site);
         ``python``; ``platform``; ``versions`` (installed
         distributions, None when missing); ``cuda`` (driver, runtime and NVRTC versions,
         devices and the kernel cache, when CuPy imports).
     """
-    from . import check
+    from . import check, copier
     from .backends import default_backend
 
     name, why = default_backend()
@@ -135,6 +137,7 @@ def config_dict() -> dict[str, Any]:
         "staging": _staging(),
         "driver_calls": _driver_calls(),
         "check_mode": bool(check.CHECK_MODE),
+        "completion_tags": bool(copier.TAGS),
         "refuse_unrouted": bool(check.REFUSE_UNROUTED),
         "unrouted": _unrouted(),
         "python": platform.python_version(),
@@ -172,6 +175,8 @@ def show_config(file: TextIO | None = None) -> None:
         f"staging path: {c['staging']}",
         f"CUDA driver calls: {c['driver_calls']}",
         f"check mode: {'on' if c['check_mode'] else 'off'} (CUCOPY_CHECK=1 at import turns it on)",
+        f"completion tags: {'on' if c['completion_tags'] else 'off'} "
+        "(CUCOPY_TAG=0 at import turns them off)",
         "unrouted module-level copies (no copier to route to: plain copies): "
         + (
             f"{sum(c['unrouted'].values())} ("

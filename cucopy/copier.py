@@ -41,12 +41,12 @@ FLUSH_MODES = ("auto", "dma", "mapped", "inline")
 _NT_OFF = os.environ.get("CUCOPY_NO_NT", "") not in ("", "0")
 #: Whether a copier made from now on has its graphed launches write their slot's
 #: completion tag (``cucopy.ring``) instead of the slot's event being recorded after
-#: them and queried at the slot's next turn: True with ``CUCOPY_TAG=1`` in the
-#: environment at import. Read when a copier is made (``DeviceCopier._tags``). Off by
-#: default: on the H200 a program of random steps behind a held stream (mapped, two
-#: slots) waited for a tag that never came (bench/results/2026-12-03-h200-run54), which
-#: the simulated device does not show; until that is understood, events stay the default.
-TAGS = os.environ.get("CUCOPY_TAG", "") not in ("", "0")
+#: them and queried at the slot's next turn. Read when a copier is made
+#: (``DeviceCopier._tags``). On by default; ``CUCOPY_TAG=0`` in the environment at import
+#: turns it off. (Opt-in until the graphs of graphed launches were made at set-up: a
+#: graph made mid-run behind a held stream blocked the host, bench/results run 54-58;
+#: with the pool, every GPU test passes with tags on, run 62.)
+TAGS = os.environ.get("CUCOPY_TAG", "1") not in ("", "0")
 _EMPTY_PLAN = CopyPlan()
 _FILL_ELEMS = (1, 2, 4, 8)
 # Without a carried header and table (a backend that carries nothing), "auto"

@@ -285,7 +285,8 @@ def test_inline_steps_leave_the_slot_free_at_once(env):
     c.close()
     # a mapped step's slot is fenced: its event recorded (through the backend, or from C
     # by the staging core's launcher on CUDA), or, a graphed launch with completion tags
-    # on (CUCOPY_TAG=1), its tag armed instead: the slot's state says which happened
+    # on (the default; CUCOPY_TAG=0 turns them off), its tag armed instead: the slot's
+    # state says which happened
     m = env.copier(PLAN, slots=1, flush_mode="mapped")
     with m.step():
         m.copy(Site.POS, a, np.arange(64, dtype=np.int32) + 1)

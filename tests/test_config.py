@@ -101,6 +101,7 @@ def test_config_dict_is_json_ready(no_gpu):
     assert c["default_backend"] == {"name": "sim", "why": "CuPy is not installed (test)"}
     assert c["staging"] == _config._staging()
     assert c["check_mode"] is bool(cc.CHECK_MODE)
+    assert c["completion_tags"] is bool(cc.copier.TAGS)
     assert set(c["versions"]) >= {"numpy", "cupy", "cuda-python", "torch"}
 
 

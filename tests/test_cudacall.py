@@ -1274,7 +1274,7 @@ def test_on_a_gpu_a_graphed_step_writes_its_slot_s_tag_and_owes_no_event(env, mo
     # the slot's reuse waits for it
     from cucopy import copier as copier_mod
 
-    monkeypatch.setattr(copier_mod, "TAGS", True)  # (opt-in: CUCOPY_TAG=1)
+    monkeypatch.setattr(copier_mod, "TAGS", True)  # (the default; CUCOPY_TAG=0 turns it off)
     c, site = _gpu_copier(env, flush_mode="mapped", slots=2)
     fast = c._backend._bound
     if fast is None or not fast.graph_cap:
@@ -1309,7 +1309,7 @@ def test_on_a_gpu_a_graphed_step_writes_its_slot_s_tag_and_owes_no_event(env, mo
 def test_on_a_gpu_a_tag_behind_a_stalled_stream_is_reported_at_the_deadline(env, monkeypatch):
     from cucopy import copier as copier_mod
 
-    monkeypatch.setattr(copier_mod, "TAGS", True)  # (opt-in: CUCOPY_TAG=1)
+    monkeypatch.setattr(copier_mod, "TAGS", True)  # (the default; CUCOPY_TAG=0 turns it off)
     c, site = _gpu_copier(env, flush_mode="mapped", slots=2, wait_timeout=0.5)
     fast = c._backend._bound
     if fast is None or not fast.graph_cap:
@@ -1334,7 +1334,7 @@ def test_on_a_gpu_a_tag_behind_a_stalled_stream_is_reported_at_the_deadline(env,
 def test_on_a_gpu_with_tags_off_graphed_steps_record_their_events(env, monkeypatch):
     from cucopy import copier as copier_mod
 
-    monkeypatch.setattr(copier_mod, "TAGS", False)  # the default; CUCOPY_TAG=1 turns tags on
+    monkeypatch.setattr(copier_mod, "TAGS", False)  # as CUCOPY_TAG=0 at import
     c, site = _gpu_copier(env, flush_mode="mapped", slots=2)
     fast = c._backend._bound
     if fast is None or not fast.graph_cap:
@@ -1581,7 +1581,7 @@ def test_small_mapped_segments_launch_graphed_with_their_events():
     # bytes at the segment, so a later segment of the step starts past them
     from cucopy import copier as copier_mod
 
-    copier_mod.TAGS, saved = True, copier_mod.TAGS  # (opt-in: CUCOPY_TAG=1)
+    copier_mod.TAGS, saved = True, copier_mod.TAGS  # (the default; CUCOPY_TAG=0: off)
     try:
         c, Site, dev, fake, problems = _landing_copier("mapped", events=True, graphs=True)
     finally:

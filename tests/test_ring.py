@@ -16,7 +16,8 @@ from cucopy.backends.sim import SimBackend
 
 @pytest.fixture(autouse=True)
 def _tags_on(monkeypatch):
-    """Completion tags on (opt-in: ``CUCOPY_TAG=1``), for the ring's tag tests."""
+    """Completion tags on (the default; ``CUCOPY_TAG=0`` turns them off), for the ring's
+    tag tests, whatever the environment says."""
     from cucopy import copier as copier_mod
 
     monkeypatch.setattr(copier_mod, "TAGS", True)
@@ -890,7 +891,7 @@ def test_steps_with_no_graphed_launch_keep_their_events(sim_env):
 
 
 def test_with_tags_off_graphed_launches_record_events(sim_env, monkeypatch):
-    # tags off (copier.TAGS, the default; CUCOPY_TAG=1 turns them on), read when a copier is made
+    # tags off (copier.TAGS; CUCOPY_TAG=0 at import), read when a copier is made
     from cucopy import copier as copier_mod
 
     monkeypatch.setattr(copier_mod, "TAGS", False)

@@ -22,7 +22,7 @@ empty segment, ``cuLaunchKernel`` with a 1 KiB parameter buffer, and a graphed o
 query (``cuStreamIsCapturing``, which begin() and flush() each make), warm and cold as
 the steps are timed; the same N copies of 16 B each, a step small enough to launch
 graphed, cold with the slot's completion tag (no event recorded or queried) and without
-(``copier.TAGS`` off, the default; ``CUCOPY_TAG=1`` turns it on); then a summary of the cold rows side by
+(``copier.TAGS`` off, as ``CUCOPY_TAG=0`` makes it); then a summary of the cold rows side by
 side with the two targets: ``begin()`` + flush at most 1.2x the empty carried launch,
 the whole cold step at most 0.15x the cold chained ``copy_`` step.
 """
@@ -244,7 +244,7 @@ def _tagged_steps(args, sites) -> dict:
     """The same N merged copies at 16 B each (a segment small enough to launch graphed),
     warm, drained and cold, with the slot's completion tag (the flush records no event,
     the ring queries none) and without it (``copier.TAGS`` off when the copier is made,
-    the default; ``CUCOPY_TAG=1`` at import turns it on).
+    as ``CUCOPY_TAG=0`` at import makes it; tags are the default).
 
     Returns ``{"tags" or "events": _phases' cold medians}``."""
     import torch
