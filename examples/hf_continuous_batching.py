@@ -598,22 +598,22 @@ class CucopyRoute:
         """
         h = bufs.host
         q = h.num_q_tokens
+        n = q + h.max_kv_read  # the read index's and the mask's columns
+        b = min(q, h.max_requests_per_batch)
         put = self._put
         put(Site.BULK, bufs.bulk(q + 1), bufs.h_bulk[:, : q + 1], bufs.g_bulk)
         if carry_over and q + 1 < bufs.tokens:
             src = bufs.h_bulk[6, q + 1 : bufs.tokens]
             put(Site.CARRY_OVER, bufs.carry_tail(q + 1), src, bufs.g_bulk)
         if reset_outputs:
-            b = min(q, h.max_requests_per_batch)
             for r, row in enumerate(bufs.d_out):
                 self.copier.fill_tail(Site.OUTPUT_RESET, bufs.head(("out", r), row, b), 0, 0)
         if h.use_block_table:
-            b = min(q, h.max_requests_per_batch)
             for g, table in enumerate(bufs.d_table):
                 dst = bufs.head(("table", g), table, b)
                 put(Site.BLOCK_TABLE, dst, bufs.h_table[g, :b], bufs.g_table)
         else:
-            groups, n = len(bufs.h_write), q + h.max_kv_read
+            groups = len(bufs.h_write)
             if q:
                 dst = bufs.block("w", bufs.d_write, groups, q)
                 put(Site.WRITE_INDEX, dst, bufs.h_write[:, :q], bufs.g_write)
@@ -621,7 +621,6 @@ class CucopyRoute:
                 dst = bufs.block("r", bufs.d_read, groups, n)
                 put(Site.READ_INDEX, dst, bufs.h_read[:, :n], bufs.g_read)
         if q and bufs.masks:
-            n = q + h.max_kv_read
             for i, (h_mask, d_mask, guard) in enumerate(bufs.masks):
                 put(Site.MASK, bufs.block(("mask", i), d_mask, q, n), h_mask[:q, :n], guard)
 
