@@ -142,6 +142,24 @@ def test_fill_tail_of_a_byte_swapped_dtype(dev, dtype):
         np.testing.assert_array_equal(dev.to_host(dst), [0, 0, 6, 6, 6])
 
 
+def test_fill_tail_alternating_dtypes_each_keep_their_own_order(dev):
+    # the compiled fill keeps the last NumPy dtype's kind and byte order: destinations of
+    # another dtype in between (same size and kind, the other order; another kind) must
+    # each be filled by their own, never by the kept answer
+    c = _copier(dev)
+    dtypes = ["<i4", ">i4", "<u4", ">u2", "|u1", "|i1", "<i4"]
+    dsts = [dev.zeros((5,), np.dtype(d)) for d in dtypes]
+    for value in (1, 2, 3):
+        for dst in dsts:
+            with c.step():
+                assert c.fill_tail(Site.TAIL, dst, 0, value)
+            np.testing.assert_array_equal(dev.to_host(dst), [value] * 5)
+        for dst in dsts:
+            with c.step():
+                assert c.fill_tail(Site.TAIL, dst, 2, 6)
+            np.testing.assert_array_equal(dev.to_host(dst), [value, value, 6, 6, 6])
+
+
 # -- 4: a torch source whose conj or neg bit is set in place -------------------------------
 
 

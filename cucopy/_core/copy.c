@@ -408,6 +408,39 @@ fail:
 
 static PyObject *seg_stage(Segment *s, PyObject *args);
 
+/* What try_fill needs of a destination's dtype: FILL_SIGNED (kind "i") or FILL_UNSIGNED
+ * (kind "u"), and FILL_NATIVE (its byte order the host's; an itemsize of 1 is always);
+ * -1 with an error set. A NumPy dtype's answer is kept for the next call with the same
+ * dtype (its kind and byte order never change), so a fill reads no attribute by name
+ * while its destinations' dtype stays the same; any other dtype object is asked each
+ * time (its attributes may be Python code). */
+enum { FILL_SIGNED = 1, FILL_UNSIGNED = 2, FILL_NATIVE = 4 };
+static int fill_kind(PyObject *dtype, int64_t itemsize) {
+    if (dtype && dtype == S->fill_dtype) return S->fill_kind;
+    int numpy = PyObject_TypeCheck(dtype, (PyTypeObject *)S->dtype_type);
+    PyObject *kind = PyObject_GetAttrString(dtype, "kind");
+    if (!kind) return -1;
+    int fk = 0;
+    if (PyUnicode_Check(kind)) {
+        if (PyUnicode_CompareWithASCIIString(kind, "i") == 0) fk = FILL_SIGNED;
+        else if (PyUnicode_CompareWithASCIIString(kind, "u") == 0) fk = FILL_UNSIGNED;
+    }
+    Py_DECREF(kind);
+    if (fk && (numpy || itemsize > 1)) {
+        PyObject *native = PyObject_GetAttrString(dtype, "isnative");
+        if (!native) return -1;
+        if (native == Py_True) fk |= FILL_NATIVE;
+        Py_DECREF(native);
+    } else if (fk) {
+        fk |= FILL_NATIVE; /* one byte: no byte order to swap */
+    }
+    if (numpy && fk) {
+        Py_XSETREF(S->fill_dtype, Py_NewRef(dtype));
+        S->fill_kind = fk;
+    }
+    return fk;
+}
+
 static PyObject *seg_try_fill(Segment *s, PyObject *const *args, Py_ssize_t nargs) {
     /* try_fill(site, dst, start, value, on_drop) -> MISS / STAGED / BARRIER / SKIPPED
      * (an empty tail: start at or past the end, the value checked all the same) */
@@ -434,20 +467,13 @@ static PyObject *seg_try_fill(Segment *s, PyObject *const *args, Py_ssize_t narg
     PyObject *out = NULL;
     if (!seg_usable(s)) goto miss; /* closed or ended by the code dst_geo ran */
     int64_t it = g.itemsize, size = g.nbytes / (it ? it : 1);
-    PyObject *kind = PyObject_GetAttrString(g.dtype, "kind");
-    if (!kind) goto soft;
-    if (!PyUnicode_Check(kind)) { Py_DECREF(kind); goto miss; }
-    int signed_ = PyUnicode_CompareWithASCIIString(kind, "i") == 0;
-    int unsigned_ = PyUnicode_CompareWithASCIIString(kind, "u") == 0;
-    Py_DECREF(kind);
+    int fk = fill_kind(g.dtype, it);
+    if (fk < 0) goto soft;
+    int signed_ = fk & FILL_SIGNED, unsigned_ = fk & FILL_UNSIGNED;
     if ((!signed_ && !unsigned_) || (it != 1 && it != 2 && it != 4 && it != 8)) goto miss;
-    if (it > 1) { /* the pattern below is in the host's order: a swapped dtype is the
-                   * general path's (its pattern comes from NumPy, in the dtype's order) */
-        PyObject *native = PyObject_GetAttrString(g.dtype, "isnative");
-        if (!native) goto soft;
-        Py_DECREF(native);
-        if (native != Py_True) goto miss;
-    }
+    /* the pattern below is in the host's order: a swapped dtype is the general path's
+     * (its pattern comes from NumPy, in the dtype's order) */
+    if (it > 1 && !(fk & FILL_NATIVE)) goto miss;
     if (!seg_usable(s)) goto miss; /* (the dtype's attributes: Python for a hostile dtype) */
     uint64_t pattern;
     int bits = (int)(8 * it);

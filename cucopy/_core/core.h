@@ -80,6 +80,9 @@ typedef struct CoreState {
         *s_copy2d, *s_stream_attr, *s_begin_body, *s_guard;
     PyObject *ndarray_type; /* numpy.ndarray */
     PyObject *uint8_descr;  /* numpy.dtype("uint8") */
+    PyObject *dtype_type;   /* numpy.dtype: its instances' kind and byte order never change */
+    PyObject *fill_dtype;   /* the NumPy dtype try_fill last read (copy.c), and what it read: */
+    int fill_kind;          /* FILL_* bits (kind "i" or "u", native byte order) */
     PyObject *plain_begin;  /* DeviceCopier.begin (StepCore._plain_begin) */
     PyObject *plain_flush;  /* DeviceCopier.flush (StepCore._plain_flush) */
     PyObject *known_core;   /* the copier class core_seg last saw (copier.c) */

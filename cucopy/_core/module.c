@@ -46,7 +46,7 @@ static int state_refs(CoreState *st, visitproc visit, void *arg) {
         else Py_CLEAR(*NAMED(st, i));
     }
     PyObject **objs[] = {&st->ndarray_type, &st->uint8_descr, &st->plain_begin, &st->plain_flush,
-                        &st->known_core, &st->known_slot};
+                        &st->known_core, &st->known_slot, &st->dtype_type, &st->fill_dtype};
     for (size_t i = 0; i < sizeof objs / sizeof objs[0]; i++) {
         if (visit) Py_VISIT(*objs[i]);
         else Py_CLEAR(*objs[i]);
@@ -119,8 +119,13 @@ static int module_exec(PyObject *m) {
     if (!np) return -1;
     st->ndarray_type = PyObject_GetAttrString(np, "ndarray");
     st->uint8_descr = st->ndarray_type ? PyObject_CallMethod(np, "dtype", "s", "uint8") : NULL;
+    st->dtype_type = st->uint8_descr ? PyObject_GetAttrString(np, "dtype") : NULL;
     Py_DECREF(np);
-    if (!st->uint8_descr) return -1;
+    if (!st->dtype_type) return -1;
+    if (!PyType_Check(st->dtype_type)) {
+        PyErr_SetString(PyExc_ImportError, "numpy.dtype is not a type");
+        return -1;
+    }
     StepCoreType.tp_init = (initproc)stepcore_init;
     SlotCoreType.tp_new = slotcore_new;
     SlotCoreType.tp_getset = slotcore_getset;
