@@ -159,6 +159,7 @@ step hot_path 40 "$PY" bench/probes/hot_path.py --n 32
 # (--n 32 also times the cold step's floors: empty launches, a graphed step with and
 # without the slot's completion tag, and the summary of issue 29's two ratios)
 step step_phases 100 "$PY" bench/probes/step_phases.py --n 32
+step cold_parts 90 "$PY" bench/probes/cold_parts.py
 # which graphed launch (made now or before, tagged or not) blocks behind a held stream
 step graph_hold 60 bash -c "\"$PY\" bench/probes/graph_hold.py --hold-s 2 &&
     \"$PY\" bench/probes/graph_hold.py --program 2 --mode mapped --hold-s 2"
