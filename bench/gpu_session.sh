@@ -135,7 +135,9 @@ else
         "$PY" bench/kernel_check.py "${race_args[@]}"
     # the copier end to end (random programs, stalls, discards) under the memory checker
     # (every seed; racecheck too, since the copier's kernels share memory within a block)
-    programs=(-m pytest -q -p no:cacheprovider -m gpu tests/test_properties_env.py -k "match_the_model and cuda")
+    # (and the graphed segments of 8-16 KiB, whose kernel reads a second round)
+    programs=(-m pytest -q -p no:cacheprovider -m gpu tests/test_properties_env.py tests/test_cudacall.py
+        -k "(match_the_model and cuda) or twice_the_graph_capacity")
     step memcheck_programs 150 "$sanitizer" --tool memcheck --error-exitcode 99 "$PY" "${programs[@]}"
     step racecheck_programs 150 "$sanitizer" --tool racecheck --error-exitcode 99 "$PY" "${programs[@]}"
     # the graph feed's kernel (a captured node reading its mailbox, replays with and

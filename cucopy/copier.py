@@ -342,7 +342,7 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
         data; ``inline`` falls back to ``auto`` for a segment larger than the
         backend's largest parameter buffer (32 KiB on CUDA 12.1 or later). Where
         the backend launches graphs (CUDA, with the compiled driver calls),
-        ``mapped`` and ``auto`` launch a segment of at most 8 KiB through a
+        ``mapped`` and ``auto`` launch a segment of at most 16 KiB through a
         one-node CUDA graph (made with the copier, re-pointed at a ring slot's
         segment as needed), whose kernel reads the segment from the slot: half
         a kernel launch's host time, for about 2 µs more GPU time than
@@ -1803,14 +1803,16 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
         head = pack.HEADER_BYTES + n * pack.DESC_BYTES
         total = end - start
         gcap = self._graph_cap
+        reach = pack.graph_reach(gcap, total)
         if (
             gcap
             and (mode == "mapped" or (mode == "auto" and total <= self._mapped_max))
-            and total <= gcap
-            and start + gcap <= min(slot.size, slot.top)
+            and total <= 2 * gcap
+            and start + reach <= min(slot.size, slot.top)
         ):
-            # graphed: the kernel reads gcap bytes at the segment when it runs, so the
-            # slot's next segment starts past them (its event guards them till then).
+            # graphed: the kernel reads gcap bytes at the segment when it runs (all of a
+            # segment of up to twice that), so the slot's next segment starts past them
+            # (its event or tag guards them till then).
             # auto too: a graph launch costs the host half a carried launch (the GPU
             # about 2 us more, reading mapped memory: bench/README.md, session 12)
             # The step's first reader of the slot is tagged: when it is also the last,
@@ -1831,8 +1833,8 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
                 # the compiled flush carries it instead. Either reads at most the
                 # segment, and the armed cell[0] is never copied: slot.tag stays -1.)
                 slot.dirty = True
-            if end < start + gcap:
-                self._seg.set_cursor(start + gcap)
+            if end < start + reach:
+                self._seg.set_cursor(start + reach)
             return "mapped"
         if mode in ("inline", "auto") and total <= cmax:
             # the whole segment travels in the launch: nothing read at run time

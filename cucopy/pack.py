@@ -51,6 +51,7 @@ __all__ = [
     "FEED_STATUS_BYTES",
     "FEED_ENTRY_POINT",
     "GRAPH_CAPACITY",
+    "graph_reach",
     "GRAPH_ENTRY_POINT",
     "TAG_AT",
     "TAG_BYTES",
@@ -232,10 +233,25 @@ assert FEED_HEAD_BYTES == 32, "internal: feed entry head size changed"
 # segment of at most that many bytes is read from mapped memory at once.
 # The copier launches "mapped" and "auto" segments this way ("inline" carries small
 # ones instead: less GPU time, more host time).
-# The host must leave all GRAPH_CAPACITY bytes readable and unwritten until the
-# launch's event completes (the copier moves the slot's next segment past them).
+# A segment of more than GRAPH_CAPACITY bytes and at most twice that is read whole as
+# well: the rest in a second round, once the header (in the first) says it is there.
+# The host must leave the bytes the kernel reads (graph_reach: all GRAPH_CAPACITY bytes,
+# or the whole longer segment) readable and unwritten until the launch completes (the
+# copier moves the slot's next segment past them).
 GRAPH_CAPACITY = 8192
 GRAPH_ENTRY_POINT = "cucopy_scatter_w8k"
+
+
+def graph_reach(cap: int, total: int) -> int:
+    """Bytes a graphed kernel of capacity ``cap`` reads at a segment of ``total`` bytes.
+
+    ``cap`` for a segment of at most ``cap`` bytes (its one round); for a longer one,
+    launched graphed only up to ``2 * cap`` bytes, ``total`` rounded up to 16 (its
+    second round stops at the segment's end). ``core.h``'s ``graph_reach`` is the
+    compiled twin.
+    """
+    return cap if total <= cap else (total + 15) & ~15
+
 
 # The completion tag of a graphed launch (scatter.cu, cucopy_scatter_w8k's ``cell``):
 # TAG_BYTES in a ring slot's headroom, TAG_AT bytes from the slot's first byte: the

@@ -1267,6 +1267,51 @@ def test_on_a_gpu_small_segments_launch_graphed_and_wait_for_their_slots(env, mo
 
 @pytest.mark.gpu
 @needs_both
+@pytest.mark.parametrize("mode", ["mapped", "auto"])
+def test_on_a_gpu_segments_up_to_twice_the_graph_capacity_launch_graphed(env, mode):
+    # a segment of more than GRAPH_CAPACITY bytes and at most twice that is graphed
+    # too: the kernel reads the rest in a second round (its table past the first 8 KiB
+    # included: 200 copies of 16 B); behind a held stream the steps' slots are read
+    # when the launches run, the bytes each step staged
+    c, site = _gpu_copier(env, flush_mode=mode, slots=2)
+    fast = c._backend._bound
+    if fast is None or not fast.graph_cap:
+        pytest.skip("no graphed launches on this driver")
+    c._mapped_max = 1 << 20  # (auto: the crossover table may say less)
+    rng = np.random.default_rng(3)
+    shapes = [[2100], [3800], [50, 3000], [4] * 200, [2048, 1]]
+    steps = []
+    for ks in shapes:
+        dsts = [env.empty((k,)) for k in ks]
+        want = [rng.integers(-(1 << 30), 1 << 30, k, dtype=np.int32) for k in ks]
+        steps.append((dsts, want))
+    for dsts, want in steps:
+        with c.step():
+            for d_, w in zip(dsts, want):
+                c.copy(site.b, d_, w)
+        for d_, w in zip(dsts, want):
+            assert np.array_equal(env.to_host(d_), w)
+    assert c.stats.modes["mapped"] == len(shapes) and c._fast_flushes == len(shapes)
+    stream = c._stream_obj if c._stream_obj is not None else env.default_stream
+    outs = [[env.empty(w.shape) for w in want] for _, want in steps]
+    with env.hold(stream):
+        for (_, want), o in list(zip(steps, outs))[:2]:  # both slots in flight
+            with c.step():
+                for d_, w in zip(o, want):
+                    c.copy(site.b, d_, w)
+    for (_, want), o in list(zip(steps, outs))[2:]:  # each reuse waits for its slot
+        with c.step():
+            for d_, w in zip(o, want):
+                c.copy(site.b, d_, w)
+    for (_, want), o in zip(steps, outs):
+        for d_, w in zip(o, want):
+            assert np.array_equal(env.to_host(d_), w)
+    assert c.stats.modes["mapped"] == 2 * len(shapes) and c.stats.modes["inline"] == 0
+    c.close()
+
+
+@pytest.mark.gpu
+@needs_both
 def test_on_a_gpu_a_graphed_step_writes_its_slot_s_tag_and_owes_no_event(env, monkeypatch):
     # the real kernel (cucopy_scatter_w8k) writes the slot's completion tag: a graphed
     # step from the staging core leaves its slot tagged with no event recorded; the tag
@@ -1627,13 +1672,13 @@ def test_small_mapped_segments_launch_graphed_with_their_events():
 
 
 def test_a_segment_too_large_or_too_near_the_top_is_not_graphed():
-    # over GRAPH_CAPACITY bytes, or where the kernel's read would pass the slot's end
-    # or its eager snapshots: a carried-header mapped launch as before
+    # over twice GRAPH_CAPACITY bytes, or where the kernel's read would pass the slot's
+    # end or its eager snapshots: a carried-header mapped launch as before
     c, Site, dev, fake, problems = _landing_copier("mapped", events=True, graphs=True)
     c._mapped_max = 1 << 20
-    big = dev.zeros((3000,), np.int32)  # 12 KB
+    big = dev.zeros((4200,), np.int32)  # 16.8 KB
     with c.step():
-        c.copy(Site.A, big, np.arange(3000, dtype=np.int32))
+        c.copy(Site.A, big, np.arange(4200, dtype=np.int32))
     small = dev.zeros((4,), np.int32)
     with c.step():
         c._slot.top = c._seg.cursor + 4096  # as if eager snapshots filled the slot's top
@@ -1642,8 +1687,47 @@ def test_a_segment_too_large_or_too_near_the_top_is_not_graphed():
     assert c.stats.modes["mapped"] == 2 and fake.graph_launches == []
     dev.synchronize()
     assert dev.to_host(small).tolist() == [0, 1, 2, 3]
-    assert dev.to_host(big).tolist() == list(range(3000))
+    assert dev.to_host(big).tolist() == list(range(4200))
     assert problems == []
+    c.close()
+
+
+@pytest.mark.parametrize("mode", ["mapped", "auto"])
+def test_a_segment_up_to_twice_the_graph_capacity_is_graphed_and_read_to_its_end(mode):
+    # more than GRAPH_CAPACITY bytes and at most twice that: graphed as well (compiled:
+    # the staging core's flush; Python twin: the sim's scatter_graphed), the kernel
+    # reading the segment to its end (pack.graph_reach), so the step's next segment
+    # starts past it; a segment of at most GRAPH_CAPACITY bytes still moves the next
+    # one past all GRAPH_CAPACITY bytes
+    from cucopy import copier as copier_mod
+
+    c, Site, dev, fake, problems = _landing_copier(mode, events=True, graphs=True)
+    c._mapped_max = 1 << 20
+    compiled = copier_mod._CopierCore is not copier_mod.PyCopierCore
+    cap = pack.GRAPH_CAPACITY
+    assert pack.graph_reach(cap, 100) == cap
+    assert pack.graph_reach(cap, cap + 1) == cap + 16
+    assert pack.graph_reach(cap, 2 * cap) == 2 * cap
+    rng = np.random.default_rng(11)
+    for k in (2100, 3800, 30, 2100):  # 8.4 KB, 15.2 KB, 120 B, 8.4 KB of data
+        big = dev.zeros((k,), np.int32)
+        tail = dev.zeros((5,), np.int32)
+        want, want_tail = (rng.integers(-99, 99, n, dtype=np.int32) for n in (k, 5))
+        with c.step():
+            start = c._seg.cursor
+            c.copy(Site.A, big, want)
+            c.flush()  # a barrier: a second segment in the step
+            first = c._slot.bottom
+            c.copy(Site.B, tail, want_tail)
+        assert first - start >= max(cap, pack.HEADER_BYTES + k * 4)
+        dev.synchronize()
+        assert np.array_equal(dev.to_host(big), want)
+        assert np.array_equal(dev.to_host(tail), want_tail)
+    assert problems == []
+    assert c.stats.modes["mapped"] == c.stats.segments == 8  # every segment graphed
+    assert fake.launches == []  # no kernel launch
+    if compiled:
+        assert len(fake.graph_launches) == 8 and c._fast_flushes == 8
     c.close()
 
 
@@ -1673,19 +1757,19 @@ def test_mapped_and_auto_segments_launch_graphed(mode):
 
 @pytest.mark.parametrize("mapped_max", [0, 1 << 20])
 def test_auto_carries_what_a_graph_would_not_read_or_its_threshold_forbids(mapped_max):
-    # over GRAPH_CAPACITY bytes (within the largest carry): carried whole, as before;
-    # a small segment with the mapped threshold below it (mapped_threshold=0 means
-    # never read mapped memory) is carried too
+    # over twice GRAPH_CAPACITY bytes (within the largest carry): carried whole, as
+    # before; a small segment with the mapped threshold below it (mapped_threshold=0
+    # means never read mapped memory) is carried too
     c, Site, dev, fake, problems = _landing_copier("auto", events=True, graphs=True)
     c._mapped_max = mapped_max
-    big = dev.zeros((3000,), np.int32)  # 12 KB: over the graph's read, under the carry
+    big = dev.zeros((4200,), np.int32)  # 16.8 KB: over the graph's reads, under the carry
     small = dev.zeros((4,), np.int32)
     with c.step():
-        c.copy(Site.A, big, np.arange(3000, dtype=np.int32))
+        c.copy(Site.A, big, np.arange(4200, dtype=np.int32))
     with c.step():
         c.copy(Site.A, small, np.arange(4, dtype=np.int32))
     dev.synchronize()
-    assert dev.to_host(big).tolist() == list(range(3000))
+    assert dev.to_host(big).tolist() == list(range(4200))
     assert dev.to_host(small).tolist() == [0, 1, 2, 3]
     graphed = 1 if mapped_max else 0
     assert c.stats.modes["inline"] == 2 - graphed

@@ -17,7 +17,8 @@ query``; ``carried 14K, query``; ``carried 1K, record``; ``graphed, query``; and
 step itself (N = 32 as ``step_phases.py``'s: ``begin``, the copies, ``flush``), also
 with a capture query made just before ``begin`` (what ``begin`` costs once its query
 is warm) and with ``flush_mode="mapped"`` (the header and table carried, the rest read
-mapped, an event recorded after). Answer: ``bench/results/2026-12-04-h200-run64/``
+mapped, an event recorded after); then the step's GPU time (events around it) in
+``auto``, ``mapped`` and ``inline``. Answer: ``bench/results/2026-12-04-h200-run64/``
 (``logs/cold_parts.log``).
 """
 
@@ -64,6 +65,27 @@ def _time(label, parts, steps, sync, before=None) -> None:
         meds = [statistics.median(x) * 1e6 for x in ts]
         body = ", ".join(f"{name} {m:.2f}" for (name, _), m in zip(parts, meds))
         print(f"{label:34s} {'cold' if cold else 'warm'}: {body}; sum {sum(meds):.2f} us")
+
+
+def _gpu_time(label, c, triples, stream, be, h, steps: int = 300) -> None:
+    """GPU us of the step (events around begin() to flush(), each after a drained
+    stream): what the flush's launch path costs the GPU."""
+    import torch
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    ts = []
+    for i in range(steps + 50):
+        be.synchronize(h)
+        start.record(stream)
+        c.begin()
+        for t in triples:
+            c.copy(*t)
+        c.flush()
+        end.record(stream)
+        end.synchronize()
+        if i >= 50:
+            ts.append(start.elapsed_time(end) * 1e3)
+    print(f"step ({label}) GPU time, events around it: {statistics.median(ts):.2f} us")
 
 
 def main(argv=None) -> None:
@@ -140,6 +162,10 @@ def main(argv=None) -> None:
         ("flush", cm.flush),
     ]
     _time("step (mapped)", stepm, args.steps, sync)
+    ci = cc.DeviceCopier(plan, stream=stream, flush_mode="inline")
+    for label, cx in (("auto", c), ("mapped", cm), ("inline", ci)):
+        _gpu_time(label, cx, triples, stream, be, h)
+    ci.close()
     print(f"auto modes {dict(c.stats.modes)}; mapped modes {dict(cm.stats.modes)}")
     print(
         f"(segment of the step: {sum(x.nbytes for x in srcs)} B of data, "

@@ -363,12 +363,14 @@ static PyObject *copiercore_flush_fast(CopierCore *c, PyObject *unused) {
     int64_t total = end - off, head = HEADER_BYTES + (int64_t)n * DESC_BYTES;
     PyObject *how = NULL;
     long long gcap = c->graph_cap;
+    int64_t reach = graph_reach(gcap, total); /* (pack.graph_reach) */
     if (mapped_max >= 0 && (mapped_only || (is_auto && total <= mapped_max)) && E->graphed &&
-        gcap > 0 && (size_t)gcap <= E->graph_cap &&
-        total <= gcap && off + gcap <= (int64_t)seg->view.len && off + gcap <= seg->top) {
+        gcap > 0 && (size_t)gcap <= E->graph_cap && total <= 2 * gcap &&
+        off + reach <= (int64_t)seg->view.len && off + reach <= seg->top) {
         /* _land's graphed launch (mapped, and auto: half a carried launch's host
-         * time): its kernel reads gcap bytes at the segment when it runs, so the
-         * slot's next segment starts past them. The step's first reader of the slot
+         * time): its kernel reads reach bytes at the segment when it runs (gcap, or
+         * all of a segment of up to 2 * gcap), so the slot's next segment starts past
+         * them. The step's first reader of the slot
          * is tagged (the slot's completion tag armed with the step, here): when it is
          * also the last, the flush records no event and the next turn asks none */
         long long step = -1;
@@ -384,7 +386,7 @@ static PyObject *copiercore_flush_fast(CopierCore *c, PyObject *unused) {
             rc = E->graphed(E->drv, stream, dev + (unsigned long long)off);
         }
         if (rc == 0) {
-            if (seg->cursor < off + gcap) seg->cursor = off + gcap;
+            if (seg->cursor < off + reach) seg->cursor = off + reach;
             how = S->s_mapped;
             if (tag)
                 slot->tag = step;

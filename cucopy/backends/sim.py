@@ -942,14 +942,19 @@ class SimBackend(Backend):
 
     def scatter_graphed(self, segment_ptr, nblocks, stream, cell: int = 0) -> bool:
         """A one-node graph's launch: its kernel reads ``graph_capacity`` bytes at the
-        segment when it runs (all of them must lie in one allocation), as a mapped
+        segment when it runs, and the rest of a segment of up to twice that
+        (``pack.graph_reach``; all of them must lie in one allocation), as a mapped
         scatter reads the segment then; with ``cell``, its last act is to copy the tag's
         first word (read when it runs) to its second, as ``cucopy_scatter_w8k`` does."""
         dev = self.device
         cap = dev.graph_capacity
         if not cap:
             raise CopyError("sim: no graphed launches (SimDevice.graph_capacity is 0)")
-        dev._mem(segment_ptr, cap)  # the kernel's one read of all cap bytes
+        dev._mem(segment_ptr, cap)  # the kernel's first read: all cap bytes
+        header = dev._mem(segment_ptr, pack.HEADER_BYTES).view(pack.HEADER_DTYPE)[0]
+        total = int(header["total_bytes"])
+        if int(header["magic"]) == pack.MAGIC and cap < total <= 2 * cap:
+            dev._mem(segment_ptr, pack.graph_reach(cap, total))  # and its second
         if cell:
             dev._mem(cell, pack.TAG_BYTES)  # mapped memory, checked at the call
         self.scatter(segment_ptr, nblocks, stream, True)

@@ -904,9 +904,12 @@ cucopy_scatter_feed(const unsigned char* __restrict__ box, unsigned int entries,
 // step's bytes cannot travel in them: the block reads the first CUCOPY_GRAPH_CAP bytes
 // at seg (mapped pinned memory) into shared memory in one round, all its loads in
 // flight at once, then runs every block of the segment from there as the carried
-// kernel does from its parameters. A segment longer than that is still correct (the
-// rest is read from seg), only slower. pack.GRAPH_CAPACITY; the host keeps all
-// CUCOPY_GRAPH_CAP bytes at seg readable, and unwritten until the launch completes.
+// kernel does from its parameters. A segment of up to twice that (CUCOPY_GRAPH_MAX) is
+// read whole as well: the rest in a second round, once the header read in the first
+// says the segment goes on. A segment longer still is correct (the rest is read from
+// seg), only slower. pack.GRAPH_CAPACITY; the host keeps the bytes read
+// (pack.graph_reach: all CUCOPY_GRAPH_CAP, or the whole of a longer segment, rounded
+// up to 16) readable, and unwritten until the launch completes.
 // Launch: grid 1 (any grid is correct: block b runs blocks b, b + gridDim.x, ...),
 // block CUCOPY_THREADS.
 //
@@ -933,12 +936,16 @@ cucopy_scatter_feed(const unsigned char* __restrict__ box, unsigned int entries,
 #ifndef CUCOPY_GRAPH_SPREAD
 #define CUCOPY_GRAPH_SPREAD 0
 #endif
+// (a capacity over 16 KiB, which bench/probes/graph_kernel.py can build, has no second
+// round: twice it would pass a block's 48 KiB of static shared memory)
+#define CUCOPY_GRAPH_MAX (CUCOPY_GRAPH_CAP <= 16384u ? 2u * CUCOPY_GRAPH_CAP : CUCOPY_GRAPH_CAP)
 static_assert(CUCOPY_GRAPH_CAP % (16u * CUCOPY_THREADS) == 0u, "whole rounds of 16-byte loads");
 
-// The segment at seg, its first CUCOPY_GRAPH_CAP bytes already in s_bytes (see above).
-// Every thread of the block calls it; it returns at the same point for all of them.
+// The segment at seg, its first have bytes already in s_bytes (see above: at least
+// CUCOPY_GRAPH_CAP, at most CUCOPY_GRAPH_MAX). Every thread of the block calls it; it
+// returns at the same point for all of them.
 static __device__ __forceinline__ void cucopy_graph_run(const unsigned char* __restrict__ seg,
-                                                        cucopy_u8* s_bytes)
+                                                        cucopy_u8* s_bytes, cucopy_u32 have)
 {
     const CucopyHeader& h = *reinterpret_cast<const CucopyHeader*>(s_bytes);
     const cucopy_u32 n = h.ndesc;
@@ -949,7 +956,7 @@ static __device__ __forceinline__ void cucopy_graph_run(const unsigned char* __r
         return;  // not a segment pack.encode wrote (a slot rewritten too early)
     }
     const cucopy_u64 base = reinterpret_cast<cucopy_u64>(s_bytes);
-    if (h.total_bytes <= CUCOPY_GRAPH_CAP && doff == CUCOPY_HEADER_BYTES && n == nblocks) {
+    if (h.total_bytes <= have && doff == CUCOPY_HEADER_BYTES && n == nblocks) {
         // The copier's case: all of it in shared memory, one block's work a descriptor
         // (pack.split); shared by the block's threads as CUCOPY_GRAPH_SPREAD says.
         const CucopyDesc* table = reinterpret_cast<const CucopyDesc*>(s_bytes + doff);
@@ -981,13 +988,12 @@ static __device__ __forceinline__ void cucopy_graph_run(const unsigned char* __r
 #endif
         return;
     }
-    if ((cucopy_u64)doff + (cucopy_u64)n * CUCOPY_DESC_BYTES <= CUCOPY_GRAPH_CAP) {
+    if ((cucopy_u64)doff + (cucopy_u64)n * CUCOPY_DESC_BYTES <= have) {
         // the table in shared memory: as the carried kernel, block by block
-        const cucopy_u32 have =
-            h.total_bytes < CUCOPY_GRAPH_CAP ? (cucopy_u32)h.total_bytes : CUCOPY_GRAPH_CAP;
+        const cucopy_u32 in_shared = h.total_bytes < have ? (cucopy_u32)h.total_bytes : have;
         for (cucopy_u32 b = blockIdx.x; b < nblocks; b += gridDim.x) {
-            cucopy_carried_block<CUCOPY_GRAPH_CAP>(s_bytes, have, reinterpret_cast<cucopy_u64>(seg),
-                                                   b);
+            cucopy_carried_block<CUCOPY_GRAPH_MAX>(s_bytes, in_shared,
+                                                   reinterpret_cast<cucopy_u64>(seg), b);
             __syncthreads();  // its shared descriptor is read before the next block's is written
         }
         return;
@@ -1003,7 +1009,7 @@ static __device__ __forceinline__ void cucopy_graph_run(const unsigned char* __r
 extern "C" __global__ void __launch_bounds__(CUCOPY_THREADS)
 cucopy_scatter_w8k(const unsigned char* __restrict__ seg, cucopy_u64* cell)
 {
-    __shared__ __align__(16) cucopy_u8 s_bytes[CUCOPY_GRAPH_CAP];
+    __shared__ __align__(16) cucopy_u8 s_bytes[CUCOPY_GRAPH_MAX];
     constexpr unsigned kRounds = CUCOPY_GRAPH_CAP / 16u / CUCOPY_THREADS;
     uint4 w[kRounds];
 #pragma unroll
@@ -1019,7 +1025,30 @@ cucopy_scatter_w8k(const unsigned char* __restrict__ seg, cucopy_u64* cell)
         reinterpret_cast<uint4*>(s_bytes)[threadIdx.x + i * CUCOPY_THREADS] = w[i];
     }
     __syncthreads();
-    cucopy_graph_run(seg, s_bytes);
+    // A segment longer than the first round and at most CUCOPY_GRAPH_MAX bytes (its
+    // header, in the first round, says so): the rest, to its end rounded up to 16, in a
+    // second round. Every thread reads the same header, so all take the same branch.
+    cucopy_u32 have = CUCOPY_GRAPH_CAP;
+    {
+        const CucopyHeader& h = *reinterpret_cast<const CucopyHeader*>(s_bytes);
+        const cucopy_u64 total = h.total_bytes;
+        if (h.magic == CUCOPY_MAGIC && total > CUCOPY_GRAPH_CAP && total <= CUCOPY_GRAPH_MAX) {
+            const cucopy_u32 end16 = (cucopy_u32)((total + 15u) / 16u);
+#pragma unroll
+            for (unsigned i = 0; i < kRounds; ++i) {
+                const cucopy_u32 k = CUCOPY_GRAPH_CAP / 16u + threadIdx.x + i * CUCOPY_THREADS;
+                if (k < end16) w[i] = __ldg(reinterpret_cast<const uint4*>(seg) + k);
+            }
+#pragma unroll
+            for (unsigned i = 0; i < kRounds; ++i) {
+                const cucopy_u32 k = CUCOPY_GRAPH_CAP / 16u + threadIdx.x + i * CUCOPY_THREADS;
+                if (k < end16) reinterpret_cast<uint4*>(s_bytes)[k] = w[i];
+            }
+            have = end16 * 16u;
+            __syncthreads();
+        }
+    }
+    cucopy_graph_run(seg, s_bytes, have);
     if (cell != nullptr) {
         __syncthreads();  // every thread's reads of the segment have completed
         if (tags) {
