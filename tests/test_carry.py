@@ -345,7 +345,9 @@ def test_a_wide_copy_is_cut_before_the_table_is_encoded(env, monkeypatch):
         return encode(*a, **k)
 
     monkeypatch.setattr(copier_module.pack, "encode", counting)
-    c = env.copier(PLAN)
+    # inline: a carried launch through scatter(), which the spy sees (auto would launch
+    # this 12 KB segment graphed on a GPU)
+    c = env.copier(PLAN, flush_mode="inline")
     seen = _spy_launches(c)
     wide = env.empty((3000,))
     small = env.empty((4,))
