@@ -405,11 +405,12 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
         # waiting for its peers). A copier is made before such phases.
         caps = self._backend.carry_capacities()
         self._carry_max = caps[-1] if caps else 0
-        # "mapped" and "auto" segments of at most this many bytes are launched graphed
-        # (a one-node graph of a pool the backend makes now, re-pointed at a segment
-        # address as needed: about half a kernel launch's host time, for ~2 us more GPU
-        # time at 6 KB than carrying them, which "inline" does: bench/README.md, session
-        # 12); 0: the backend has no graphs
+        # "mapped" and "auto" segments of at most twice this many bytes are launched
+        # graphed (a one-node graph of a pool the backend makes now, re-pointed at a
+        # segment address as needed: about half a kernel launch's host time, for ~2 us
+        # more GPU time at 6 KB than carrying them, which "inline" does: bench/README.md,
+        # session 12; its kernel reads this many bytes, and the rest of a longer
+        # segment in a second round); 0: the backend has no graphs
         self._graph_cap = self._backend.graph_capacity()
         if flush_mode != "dma" and not self._backend.mapped_coherent():
             # mapped memory proven incoherent (GPU confidential computing): every

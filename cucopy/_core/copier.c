@@ -37,7 +37,7 @@ typedef struct {
     long long cap_for, cap;   /* the slot size the table reservation is for, and it */
     long long carry_max;      /* the largest carried launch (0: none) */
     long long mapped_max;     /* the largest segment a mapped launch reads (-1: none) */
-    long long graph_cap;      /* mapped segments up to this many bytes launch graphed */
+    long long graph_cap;      /* the graph kernel's first read; segments up to twice it graph */
     int mode;                 /* flush_mode as MODE_* */
     PyObject *mode_str;       /* flush_mode as set (the interned literal) */
     PyObject *seg, *checker, *feed, *feed_pending, *ring, *slot, *tables, *stats;
