@@ -1213,6 +1213,17 @@ def _gpu_copier(env, **kw):
     return env.copier(cc.CopyPlan(merge=set(site)), **kw), site
 
 
+def _graphed_gpu_copier(env, **kw):
+    """:func:`_gpu_copier` whose backend launches graphs: ``(copier, site, driver)``;
+    skips where the driver offers no graphs."""
+    c, site = _gpu_copier(env, **kw)
+    fast = c._backend._bound
+    if fast is None or not fast.graph_cap:
+        c.close()
+        pytest.skip("no graphed launches on this driver")
+    return c, site, fast
+
+
 @pytest.mark.gpu
 @needs_both
 def test_on_a_gpu_inline_segments_launch_from_the_staging_core(env):
@@ -1240,10 +1251,7 @@ def test_on_a_gpu_small_segments_launch_graphed_and_wait_for_their_slots(env, mo
     # pointed at its slot's address, from the staging core; behind a stalled stream the
     # host stages more steps than the ring has slots, and each reuse waits for the
     # slot's own launch
-    c, site = _gpu_copier(env, flush_mode=mode, slots=2)
-    fast = c._backend._bound
-    if fast is None or not fast.graph_cap:
-        pytest.skip("no graphed launches on this driver")
+    c, site, fast = _graphed_gpu_copier(env, flush_mode=mode, slots=2)
     assert c._graph_cap == pack.GRAPH_CAPACITY
     made, updates = fast.graph_count, fast.graph_updates
     assert made == _cudacall.GRAPH_POOL  # made with the copier, before any step
@@ -1273,10 +1281,7 @@ def test_on_a_gpu_segments_up_to_twice_the_graph_capacity_launch_graphed(env, mo
     # too: the kernel reads the rest in a second round (its table past the first 8 KiB
     # included: 200 copies of 16 B); behind a held stream the steps' slots are read
     # when the launches run, the bytes each step staged
-    c, site = _gpu_copier(env, flush_mode=mode, slots=2)
-    fast = c._backend._bound
-    if fast is None or not fast.graph_cap:
-        pytest.skip("no graphed launches on this driver")
+    c, site, fast = _graphed_gpu_copier(env, flush_mode=mode, slots=2)
     c._mapped_max = 1 << 20  # (auto: the crossover table may say less)
     rng = np.random.default_rng(3)
     shapes = [[2100], [3800], [50, 3000], [4] * 200, [2048, 1]]
@@ -1320,10 +1325,7 @@ def test_on_a_gpu_a_graphed_step_writes_its_slot_s_tag_and_owes_no_event(env, mo
     from cucopy import copier as copier_mod
 
     monkeypatch.setattr(copier_mod, "TAGS", True)  # (the default; CUCOPY_TAG=0 turns it off)
-    c, site = _gpu_copier(env, flush_mode="mapped", slots=2)
-    fast = c._backend._bound
-    if fast is None or not fast.graph_cap:
-        pytest.skip("no graphed launches on this driver")
+    c, site, fast = _graphed_gpu_copier(env, flush_mode="mapped", slots=2)
     assert c._tags
     _two_copy_steps(env, c, site, 4)  # (each checked through to_host: synchronized)
     slot = c._ring.current
@@ -1355,10 +1357,7 @@ def test_on_a_gpu_a_tag_behind_a_stalled_stream_is_reported_at_the_deadline(env,
     from cucopy import copier as copier_mod
 
     monkeypatch.setattr(copier_mod, "TAGS", True)  # (the default; CUCOPY_TAG=0 turns it off)
-    c, site = _gpu_copier(env, flush_mode="mapped", slots=2, wait_timeout=0.5)
-    fast = c._backend._bound
-    if fast is None or not fast.graph_cap:
-        pytest.skip("no graphed launches on this driver")
+    c, site, fast = _graphed_gpu_copier(env, flush_mode="mapped", slots=2, wait_timeout=0.5)
     a = env.empty((300,))
     stream = c._stream_obj if c._stream_obj is not None else env.default_stream
     with env.hold(stream):
@@ -1380,10 +1379,7 @@ def test_on_a_gpu_with_tags_off_graphed_steps_record_their_events(env, monkeypat
     from cucopy import copier as copier_mod
 
     monkeypatch.setattr(copier_mod, "TAGS", False)  # as CUCOPY_TAG=0 at import
-    c, site = _gpu_copier(env, flush_mode="mapped", slots=2)
-    fast = c._backend._bound
-    if fast is None or not fast.graph_cap:
-        pytest.skip("no graphed launches on this driver")
+    c, site, fast = _graphed_gpu_copier(env, flush_mode="mapped", slots=2)
     assert not c._tags
     _two_copy_steps(env, c, site, 5)
     slot = c._ring.current
