@@ -1804,11 +1804,10 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
         head = pack.HEADER_BYTES + n * pack.DESC_BYTES
         total = end - start
         gcap = self._graph_cap
-        reach = pack.graph_reach(gcap, total)
+        reach = pack.graph_reach(gcap, total)  # (0: no graphs, or too long for one)
         if (
-            gcap
+            reach
             and (mode == "mapped" or (mode == "auto" and total <= self._mapped_max))
-            and total <= 2 * gcap
             and start + reach <= min(slot.size, slot.top)
         ):
             # graphed: the kernel reads gcap bytes at the segment when it runs (all of a

@@ -245,12 +245,14 @@ GRAPH_ENTRY_POINT = "cucopy_scatter_w8k"
 def graph_reach(cap: int, total: int) -> int:
     """Bytes a graphed kernel of capacity ``cap`` reads at a segment of ``total`` bytes.
 
-    ``cap`` for a segment of at most ``cap`` bytes (its one round); for a longer one,
-    launched graphed only up to ``2 * cap`` bytes, ``total`` rounded up to 16 (its
-    second round stops at the segment's end). ``core.h``'s ``graph_reach`` is the
-    compiled twin.
+    ``cap`` for a segment of at most ``cap`` bytes (its one round); ``total`` rounded
+    up to 16 for one of at most ``2 * cap`` (its second round stops at the segment's
+    end); 0 for a longer one, which is not launched graphed (nor is any with ``cap``
+    0). ``core.h``'s ``graph_reach`` is the compiled twin.
     """
-    return cap if total <= cap else (total + 15) & ~15
+    if total <= cap:
+        return cap
+    return (total + 15) & ~15 if total <= 2 * cap else 0
 
 
 # The completion tag of a graphed launch (scatter.cu, cucopy_scatter_w8k's ``cell``):

@@ -1704,6 +1704,8 @@ def test_a_segment_up_to_twice_the_graph_capacity_is_graphed_and_read_to_its_end
     assert pack.graph_reach(cap, 100) == cap
     assert pack.graph_reach(cap, cap + 1) == cap + 16
     assert pack.graph_reach(cap, 2 * cap) == 2 * cap
+    assert pack.graph_reach(cap, 2 * cap + 1) == 0  # too long: not graphed
+    assert pack.graph_reach(0, 100) == 0  # no graphs
     rng = np.random.default_rng(11)
     for k in (2100, 3800, 30, 2100):  # 8.4 KB, 15.2 KB, 120 B, 8.4 KB of data
         big = dev.zeros((k,), np.int32)

@@ -365,7 +365,7 @@ static PyObject *copiercore_flush_fast(CopierCore *c, PyObject *unused) {
     long long gcap = c->graph_cap;
     int64_t reach = graph_reach(gcap, total); /* (pack.graph_reach) */
     if (mapped_max >= 0 && (mapped_only || (is_auto && total <= mapped_max)) && E->graphed &&
-        gcap > 0 && (size_t)gcap <= E->graph_cap && total <= 2 * gcap &&
+        gcap > 0 && (size_t)gcap <= E->graph_cap && reach > 0 &&
         off + reach <= (int64_t)seg->view.len && off + reach <= seg->top) {
         /* _land's graphed launch (mapped, and auto: half a carried launch's host
          * time): its kernel reads reach bytes at the segment when it runs (gcap, or

@@ -38,10 +38,11 @@ _Static_assert(sizeof(Py_ssize_t) == sizeof(int64_t), "shapes are compared as in
 #define TAG_AT (-64)
 
 /* pack.graph_reach: the bytes a graphed kernel of capacity cap reads at a segment of
- * total bytes (cap; a segment longer than cap, launched graphed up to 2 * cap bytes,
- * read to its end rounded up to 16) */
+ * total bytes (cap; a segment of up to 2 * cap bytes read to its end rounded up to 16;
+ * 0: one longer still, not launched graphed) */
 static inline int64_t graph_reach(int64_t cap, int64_t total) {
-    return total <= cap ? cap : (total + 15) & ~(int64_t)15;
+    if (total <= cap) return cap;
+    return total <= 2 * cap ? (total + 15) & ~(int64_t)15 : 0;
 }
 
 enum { MISS = 0, STAGED = 1, BARRIER = 2, SKIPPED = 3, FULL = -1, ORDER = -2 };

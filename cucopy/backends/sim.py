@@ -952,9 +952,9 @@ class SimBackend(Backend):
             raise CopyError("sim: no graphed launches (SimDevice.graph_capacity is 0)")
         dev._mem(segment_ptr, cap)  # the kernel's first read: all cap bytes
         header = dev._mem(segment_ptr, pack.HEADER_BYTES).view(pack.HEADER_DTYPE)[0]
-        total = int(header["total_bytes"])
-        if int(header["magic"]) == pack.MAGIC and cap < total <= 2 * cap:
-            dev._mem(segment_ptr, pack.graph_reach(cap, total))  # and its second
+        reach = pack.graph_reach(cap, int(header["total_bytes"]))
+        if int(header["magic"]) == pack.MAGIC and reach > cap:
+            dev._mem(segment_ptr, reach)  # and its second
         if cell:
             dev._mem(cell, pack.TAG_BYTES)  # mapped memory, checked at the call
         self.scatter(segment_ptr, nblocks, stream, True)
