@@ -40,7 +40,7 @@ import cucopy as cc  # noqa: E402
 COLD_BYTES = 64 << 20
 
 
-def _time(label, parts, steps, sync, before=None) -> None:
+def _time(label, parts, steps, sync) -> None:
     """Time ``parts`` (name, callable) in order, each iteration warm and cold."""
     clock = time.perf_counter
     for cold in (False, True):
@@ -48,8 +48,6 @@ def _time(label, parts, steps, sync, before=None) -> None:
         n = steps // 3 if cold else steps
         ts = [[] for _ in parts]
         for i in range(n + 100):
-            if before is not None:
-                before()
             if scratch is not None:
                 scratch.fill(i & 255)
             sync()
@@ -67,6 +65,17 @@ def _time(label, parts, steps, sync, before=None) -> None:
         print(f"{label:34s} {'cold' if cold else 'warm'}: {body}; sum {sum(meds):.2f} us")
 
 
+def _copies(c, triples):
+    """The step's copies through copier ``c``, as one call."""
+    copy = c.copy
+
+    def copies():
+        for s, d, x in triples:
+            copy(s, d, x)
+
+    return copies
+
+
 def _gpu_time(label, c, triples, stream, be, h, steps: int = 300) -> None:
     """GPU us of the step (events around begin() to flush(), each after a drained
     stream): what the flush's launch path costs the GPU."""
@@ -74,12 +83,12 @@ def _gpu_time(label, c, triples, stream, be, h, steps: int = 300) -> None:
 
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     ts = []
+    copies = _copies(c, triples)
     for i in range(steps + 50):
         be.synchronize(h)
         start.record(stream)
         c.begin()
-        for t in triples:
-            c.copy(*t)
+        copies()
         c.flush()
         end.record(stream)
         end.synchronize()
@@ -146,21 +155,11 @@ def main(argv=None) -> None:
     srcs = [rng.integers(0, 9, int(k), dtype=np.int32) for k in sizes]
     dsts = [torch.zeros(int(k), dtype=torch.int32, device="cuda") for k in sizes]
     triples = list(zip(sites, dsts, srcs))
-    copy = c.copy
-
-    def copies():
-        for s, d, x in triples:
-            copy(s, d, x)
-
-    step = [("begin", c.begin), ("copies", copies), ("flush", c.flush)]
+    step = [("begin", c.begin), ("copies", _copies(c, triples)), ("flush", c.flush)]
     _time("step (auto)", step, args.steps, sync)
     _time("step, a query first", [("query", query)] + step, args.steps, sync)
     cm = cc.DeviceCopier(plan, stream=stream, flush_mode="mapped")
-    stepm = [
-        ("begin", cm.begin),
-        ("copies", lambda: [cm.copy(*t) for t in triples]),
-        ("flush", cm.flush),
-    ]
+    stepm = [("begin", cm.begin), ("copies", _copies(cm, triples)), ("flush", cm.flush)]
     _time("step (mapped)", stepm, args.steps, sync)
     ci = cc.DeviceCopier(plan, stream=stream, flush_mode="inline")
     for label, cx in (("auto", c), ("mapped", cm), ("inline", ci)):
