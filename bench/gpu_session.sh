@@ -135,9 +135,9 @@ else
         "$PY" bench/kernel_check.py "${race_args[@]}"
     # the copier end to end (random programs, stalls, discards) under the memory checker
     # (every seed; racecheck too, since the copier's kernels share memory within a block)
-    # (and the graphed segments of 8-16 KiB, whose kernel reads a second round)
+    # (and the graphed segments of 8-32 KiB, whose kernel reads a second round)
     programs=(-m pytest -q -p no:cacheprovider -m gpu tests/test_properties_env.py tests/test_cudacall.py
-        -k "(match_the_model and cuda) or twice_the_graph_capacity")
+        -k "(match_the_model and cuda) or past_the_graph_capacity")
     step memcheck_programs 150 "$sanitizer" --tool memcheck --error-exitcode 99 "$PY" "${programs[@]}"
     step racecheck_programs 150 "$sanitizer" --tool racecheck --error-exitcode 99 "$PY" "${programs[@]}"
     # the graph feed's kernel (a captured node reading its mailbox, replays with and
@@ -231,6 +231,13 @@ if "$PY" -c "import transformers" 2>/dev/null; then
             --mode "$mode" --bound --pairs 7 --watchdog 100 \
             --json "$work/bench/hf_continuous_batching-$mode.json"
     done
+    # async with flush_mode="mapped" (graphed launches up to 32 KiB): only when ONLY
+    # names it
+    if [[ ",$ONLY," == *",hf_async_mapped,"* ]]; then
+        step hf_async_mapped 110 env PYTHONPATH=. "$PY" bench/hf_ab.py \
+            --mode async --flush-mode mapped --bound --pairs 7 --watchdog 100 \
+            --json "$work/bench/hf_continuous_batching-async-mapped.json"
+    fi
     # the routed upload's calls by own time, from the engine's thread (async mode)
     step hf_profile 90 env PYTHONPATH=. "$PY" bench/probes/hf_upload_profile.py \
         --mode async --pairs 2

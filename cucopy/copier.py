@@ -342,11 +342,13 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
         data; ``inline`` falls back to ``auto`` for a segment larger than the
         backend's largest parameter buffer (32 KiB on CUDA 12.1 or later). Where
         the backend launches graphs (CUDA, with the compiled driver calls),
-        ``mapped`` and ``auto`` launch a segment of at most 16 KiB through a
-        one-node CUDA graph (made with the copier, re-pointed at a ring slot's
-        segment as needed), whose kernel reads the segment from the slot: half
-        a kernel launch's host time, for about 2 µs more GPU time than
-        ``inline``'s carried launch.
+        ``mapped`` launches a segment of at most 32 KiB, and ``auto`` one of at
+        most 16 KiB, through a one-node CUDA graph (made with the copier,
+        re-pointed at a ring slot's segment as needed), whose kernel reads the
+        segment from the slot: half a kernel launch's host time, for about 1-2
+        µs more GPU time than ``inline``'s carried launch (more past 16 KiB: one
+        block scatters it). ``mapped`` suits a stream whose work overlaps other
+        work (an engine's upload stream), where the host's time is what counts.
     wait_timeout : float, optional
         Seconds any host wait of this copier may last (a ring slot still in flight,
         :meth:`close`, the slot an eager copy or a larger step needs) before it raises
@@ -405,12 +407,13 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
         # waiting for its peers). A copier is made before such phases.
         caps = self._backend.carry_capacities()
         self._carry_max = caps[-1] if caps else 0
-        # "mapped" and "auto" segments of at most twice this many bytes are launched
-        # graphed (a one-node graph of a pool the backend makes now, re-pointed at a
-        # segment address as needed: about half a kernel launch's host time, for ~2 us
-        # more GPU time at 6 KB than carrying them, which "inline" does: bench/README.md,
-        # session 12; its kernel reads this many bytes, and the rest of a longer
-        # segment in a second round); 0: the backend has no graphs
+        # "mapped" segments of at most pack.graph_max(this) bytes, and "auto" ones of at
+        # most AUTO_GRAPH_ROUNDS times this, are launched graphed (a one-node graph of a
+        # pool the backend makes now, re-pointed at a segment address as needed: about
+        # half a kernel launch's host time, for ~2 us more GPU time at 6 KB than
+        # carrying them, which "inline" does: bench/README.md, session 12; its kernel
+        # reads this many bytes, and the rest of a longer segment in a second round);
+        # 0: the backend has no graphs
         self._graph_cap = self._backend.graph_capacity()
         if flush_mode != "dma" and not self._backend.mapped_coherent():
             # mapped memory proven incoherent (GPU confidential computing): every
@@ -1804,14 +1807,15 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
         head = pack.HEADER_BYTES + n * pack.DESC_BYTES
         total = end - start
         gcap = self._graph_cap
-        reach = pack.graph_reach(gcap, total)  # (0: no graphs, or too long for one)
+        # (0: no graphs, or too long for one, or for auto's choice of one)
+        reach = pack.graph_reach(gcap, total, mode == "auto")
         if (
             reach
             and (mode == "mapped" or (mode == "auto" and total <= self._mapped_max))
             and start + reach <= min(slot.size, slot.top)
         ):
             # graphed: the kernel reads gcap bytes at the segment when it runs (all of a
-            # segment of up to twice that), so the slot's next segment starts past them
+            # longer segment), so the slot's next segment starts past them
             # (its event or tag guards them till then).
             # auto too: a graph launch costs the host half a carried launch (the GPU
             # about 2 us more, reading mapped memory: bench/README.md, session 12)

@@ -51,6 +51,9 @@ __all__ = [
     "FEED_STATUS_BYTES",
     "FEED_ENTRY_POINT",
     "GRAPH_CAPACITY",
+    "GRAPH_ROUNDS",
+    "AUTO_GRAPH_ROUNDS",
+    "graph_max",
     "graph_reach",
     "GRAPH_ENTRY_POINT",
     "TAG_AT",
@@ -233,26 +236,47 @@ assert FEED_HEAD_BYTES == 32, "internal: feed entry head size changed"
 # segment of at most that many bytes is read from mapped memory at once.
 # The copier launches "mapped" and "auto" segments this way ("inline" carries small
 # ones instead: less GPU time, more host time).
-# A segment of more than GRAPH_CAPACITY bytes and at most twice that is read whole as
-# well: the rest in a second round, once the header (in the first) says it is there.
+# A segment of more than GRAPH_CAPACITY bytes and at most GRAPH_ROUNDS times that is read
+# whole as well: the rest in a second round, once the header (in the first) says it is
+# there. "auto" graphs only segments of up to AUTO_GRAPH_ROUNDS times GRAPH_CAPACITY:
+# past that, the one block's scatter costs the GPU more than a carried launch (which
+# spreads a segment's blocks over the GPU), and "auto" carries them; "mapped" graphs
+# them all (the host's cost, half a carried launch's, is what it is chosen for).
 # The host must leave the bytes the kernel reads (graph_reach: all GRAPH_CAPACITY bytes,
 # or the whole longer segment) readable and unwritten until the launch completes (the
 # copier moves the slot's next segment past them).
 GRAPH_CAPACITY = 8192
+GRAPH_ROUNDS = 4
+AUTO_GRAPH_ROUNDS = 2
 GRAPH_ENTRY_POINT = "cucopy_scatter_w8k"
 
 
-def graph_reach(cap: int, total: int) -> int:
+def graph_max(cap: int) -> int:
+    """The longest segment a graphed kernel of capacity ``cap`` reads whole.
+
+    ``GRAPH_ROUNDS * cap`` for the copier's capacity (scatter.cu's ``CUCOPY_GRAPH_MAX``,
+    in a block's static shared memory); a larger capacity, which only
+    ``bench/probes/graph_kernel.py`` builds, reads less: twice itself up to 16 KiB, else
+    itself.
+    """
+    return GRAPH_ROUNDS * cap if cap <= 8192 else 2 * cap if cap <= 16384 else cap
+
+
+def graph_reach(cap: int, total: int, auto: bool = False) -> int:
     """Bytes a graphed kernel of capacity ``cap`` reads at a segment of ``total`` bytes.
 
     ``cap`` for a segment of at most ``cap`` bytes (its one round); ``total`` rounded
-    up to 16 for one of at most ``2 * cap`` (its second round stops at the segment's
-    end); 0 for a longer one, which is not launched graphed (nor is any with ``cap``
-    0). ``core.h``'s ``graph_reach`` is the compiled twin.
+    up to 16 for one of at most :func:`graph_max` bytes (its second round stops at the
+    segment's end); 0 for a longer one, which is not launched graphed (nor is any with
+    ``cap`` 0). With ``auto`` (``flush_mode="auto"``'s choice), 0 as well past
+    ``AUTO_GRAPH_ROUNDS * cap`` bytes (carried instead). ``core.h``'s ``graph_reach``
+    is the compiled twin.
     """
     if total <= cap:
         return cap
-    return (total + 15) & ~15 if total <= 2 * cap else 0
+    if total > graph_max(cap) or (auto and total > AUTO_GRAPH_ROUNDS * cap):
+        return 0
+    return (total + 15) & ~15
 
 
 # The completion tag of a graphed launch (scatter.cu, cucopy_scatter_w8k's ``cell``):

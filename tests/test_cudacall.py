@@ -1276,15 +1276,22 @@ def test_on_a_gpu_small_segments_launch_graphed_and_wait_for_their_slots(env, mo
 @pytest.mark.gpu
 @needs_both
 @pytest.mark.parametrize("mode", ["mapped", "auto"])
-def test_on_a_gpu_segments_up_to_twice_the_graph_capacity_launch_graphed(env, mode):
-    # a segment of more than GRAPH_CAPACITY bytes and at most twice that is graphed
-    # too: the kernel reads the rest in a second round (its table past the first 8 KiB
-    # included: 200 copies of 16 B); behind a held stream the steps' slots are read
-    # when the launches run, the bytes each step staged
-    c, site, fast = _graphed_gpu_copier(env, flush_mode=mode, slots=2)
+def test_on_a_gpu_segments_past_the_graph_capacity_launch_graphed(env, mode, monkeypatch):
+    # a segment of more than GRAPH_CAPACITY bytes is graphed too, up to
+    # pack.graph_max bytes (mapped; auto: up to AUTO_GRAPH_ROUNDS times the capacity):
+    # the kernel reads the rest in a second round (the table past the first 8 KiB
+    # included: 200 and 400 copies of 16 B); each graphed step's slot is tagged (only a
+    # graphed launch is). Behind a held stream the steps' slots are read when the
+    # launches run, the bytes each step staged
+    from cucopy import copier as copier_mod
+
+    monkeypatch.setattr(copier_mod, "TAGS", True)  # (the default; CUCOPY_TAG=0 turns it off)
+    c, site, fast = _graphed_gpu_copier(env, flush_mode=mode, slots=2, capacity=1 << 16)
     c._mapped_max = 1 << 20  # (auto: the crossover table may say less)
     rng = np.random.default_rng(3)
     shapes = [[2100], [3800], [50, 3000], [4] * 200, [2048, 1]]
+    if mode == "mapped":  # 31.6, 28.2 and 25.7 KB
+        shapes += [[7900], [100, 4000, 2950], [4] * 400]
     steps = []
     for ks in shapes:
         dsts = [env.empty((k,)) for k in ks]
@@ -1294,6 +1301,7 @@ def test_on_a_gpu_segments_up_to_twice_the_graph_capacity_launch_graphed(env, mo
         with c.step():
             for d_, w in zip(dsts, want):
                 c.copy(site.b, d_, w)
+        assert c._ring.current.tag == c._ring.acquires  # graphed (tagged)
         for d_, w in zip(dsts, want):
             assert np.array_equal(env.to_host(d_), w)
     assert c.stats.modes["mapped"] == len(shapes) and c._fast_flushes == len(shapes)
@@ -1668,13 +1676,14 @@ def test_small_mapped_segments_launch_graphed_with_their_events():
 
 
 def test_a_segment_too_large_or_too_near_the_top_is_not_graphed():
-    # over twice GRAPH_CAPACITY bytes, or where the kernel's read would pass the slot's
+    # over pack.graph_max bytes, or where the kernel's read would pass the slot's
     # end or its eager snapshots: a carried-header mapped launch as before
     c, Site, dev, fake, problems = _landing_copier("mapped", events=True, graphs=True)
     c._mapped_max = 1 << 20
-    big = dev.zeros((4200,), np.int32)  # 16.8 KB
+    big = dev.zeros((8200,), np.int32)  # 32.8 KB
+    assert pack.HEADER_BYTES + big.nbytes > pack.graph_max(pack.GRAPH_CAPACITY)
     with c.step():
-        c.copy(Site.A, big, np.arange(4200, dtype=np.int32))
+        c.copy(Site.A, big, np.arange(8200, dtype=np.int32))
     small = dev.zeros((4,), np.int32)
     with c.step():
         c._slot.top = c._seg.cursor + 4096  # as if eager snapshots filled the slot's top
@@ -1683,49 +1692,74 @@ def test_a_segment_too_large_or_too_near_the_top_is_not_graphed():
     assert c.stats.modes["mapped"] == 2 and fake.graph_launches == []
     dev.synchronize()
     assert dev.to_host(small).tolist() == [0, 1, 2, 3]
-    assert dev.to_host(big).tolist() == list(range(4200))
+    assert dev.to_host(big).tolist() == list(range(8200))
     assert problems == []
     c.close()
 
 
+def test_graph_reach_follows_the_kernel_s_rounds_and_auto_s_choice():
+    cap = pack.GRAPH_CAPACITY
+    top = pack.graph_max(cap)
+    assert top == pack.GRAPH_ROUNDS * cap == 32768  # scatter.cu's CUCOPY_GRAPH_MAX
+    assert pack.graph_reach(cap, 100) == cap
+    assert pack.graph_reach(cap, cap + 1) == cap + 16
+    assert pack.graph_reach(cap, 2 * cap) == 2 * cap
+    assert pack.graph_reach(cap, 2 * cap + 1) == 2 * cap + 16
+    assert pack.graph_reach(cap, top) == top
+    assert pack.graph_reach(cap, top + 1) == 0  # too long: not graphed
+    assert pack.graph_reach(0, 100) == 0  # no graphs
+    auto = pack.AUTO_GRAPH_ROUNDS * cap
+    assert pack.graph_reach(cap, 100, auto=True) == cap
+    assert pack.graph_reach(cap, auto, auto=True) == auto
+    assert pack.graph_reach(cap, auto + 1, auto=True) == 0  # auto carries it instead
+    # capacities only the probe builds: the kernel reads less past 8 KiB
+    assert pack.graph_max(16384) == 32768 and pack.graph_max(32768) == 32768
+
+
 @pytest.mark.parametrize("mode", ["mapped", "auto"])
-def test_a_segment_up_to_twice_the_graph_capacity_is_graphed_and_read_to_its_end(mode):
-    # more than GRAPH_CAPACITY bytes and at most twice that: graphed as well (compiled:
-    # the staging core's flush; Python twin: the sim's scatter_graphed), the kernel
-    # reading the segment to its end (pack.graph_reach), so the step's next segment
-    # starts past it; a segment of at most GRAPH_CAPACITY bytes still moves the next
-    # one past all GRAPH_CAPACITY bytes
+def test_segments_past_the_graph_capacity_are_graphed_and_read_to_their_end(mode):
+    # more than GRAPH_CAPACITY bytes and at most pack.graph_max (mapped) or
+    # AUTO_GRAPH_ROUNDS times it (auto): graphed as well (compiled: the staging core's
+    # flush; Python twin: the sim's scatter_graphed), the kernel reading the segment to
+    # its end (pack.graph_reach), so the step's next segment starts past it; a segment
+    # of at most GRAPH_CAPACITY bytes still moves the next one past all GRAPH_CAPACITY
+    # bytes. Auto carries a longer one whole (inline)
     from cucopy import copier as copier_mod
 
     c, Site, dev, fake, problems = _landing_copier(mode, events=True, graphs=True)
     c._mapped_max = 1 << 20
     compiled = copier_mod._CopierCore is not copier_mod.PyCopierCore
     cap = pack.GRAPH_CAPACITY
-    assert pack.graph_reach(cap, 100) == cap
-    assert pack.graph_reach(cap, cap + 1) == cap + 16
-    assert pack.graph_reach(cap, 2 * cap) == 2 * cap
-    assert pack.graph_reach(cap, 2 * cap + 1) == 0  # too long: not graphed
-    assert pack.graph_reach(0, 100) == 0  # no graphs
     rng = np.random.default_rng(11)
-    for k in (2100, 3800, 30, 2100):  # 8.4 KB, 15.2 KB, 120 B, 8.4 KB of data
+    # 8.4 KB, 15.2 KB, 120 B, 8.4 KB, 24 KB and 31.6 KB of data
+    sizes = (2100, 3800, 30, 2100, 6000, 7900)
+    for k in sizes:
         big = dev.zeros((k,), np.int32)
         tail = dev.zeros((5,), np.int32)
         want, want_tail = (rng.integers(-99, 99, n, dtype=np.int32) for n in (k, 5))
+        graphed = mode == "mapped" or k * 4 <= 16000  # (auto: up to 16 KiB in all)
         with c.step():
             start = c._seg.cursor
             c.copy(Site.A, big, want)
             c.flush()  # a barrier: a second segment in the step
             first = c._slot.bottom
             c.copy(Site.B, tail, want_tail)
-        assert first - start >= max(cap, pack.HEADER_BYTES + k * 4)
+        if graphed:
+            assert first - start >= max(cap, pack.HEADER_BYTES + k * 4)
+        else:  # carried whole: the next segment right after this one
+            assert first - start < pack.HEADER_BYTES + 48 * 8 + k * 4 + 64
         dev.synchronize()
         assert np.array_equal(dev.to_host(big), want)
         assert np.array_equal(dev.to_host(tail), want_tail)
     assert problems == []
-    assert c.stats.modes["mapped"] == c.stats.segments == 8  # every segment graphed
-    assert fake.launches == []  # no kernel launch
+    n = 2 * len(sizes)
+    carried = 0 if mode == "mapped" else 2  # auto: the 24 and 31.6 KB segments
+    assert c.stats.modes["mapped"] == n - carried and c.stats.modes["inline"] == carried
     if compiled:
-        assert len(fake.graph_launches) == 8 and c._fast_flushes == 8
+        assert len(fake.graph_launches) == n - carried and c._fast_flushes == n
+        assert len(fake.launches) == carried  # the carried ones: a kernel launch each
+    else:
+        assert fake.launches == []  # the sim's scatter: no driver launch
     c.close()
 
 
@@ -1755,9 +1789,10 @@ def test_mapped_and_auto_segments_launch_graphed(mode):
 
 @pytest.mark.parametrize("mapped_max", [0, 1 << 20])
 def test_auto_carries_what_a_graph_would_not_read_or_its_threshold_forbids(mapped_max):
-    # over twice GRAPH_CAPACITY bytes (within the largest carry): carried whole, as
-    # before; a small segment with the mapped threshold below it (mapped_threshold=0
-    # means never read mapped memory) is carried too
+    # over AUTO_GRAPH_ROUNDS times GRAPH_CAPACITY bytes (within the largest carry):
+    # carried whole, as before (a graph would read it whole: auto does not choose one);
+    # a small segment with the mapped threshold below it (mapped_threshold=0 means
+    # never read mapped memory) is carried too
     c, Site, dev, fake, problems = _landing_copier("auto", events=True, graphs=True)
     c._mapped_max = mapped_max
     big = dev.zeros((4200,), np.int32)  # 16.8 KB: over the graph's reads, under the carry

@@ -183,9 +183,10 @@ def test_graphed_kernel_variants_build_warning_free(nvrtc, spread, cap):
     code += f"\nstatic_assert(CUCOPY_GRAPH_CAP == {cap}u && CUCOPY_GRAPH_SPREAD == {spread});\n"
     ptx = kernels.compile_ptx("sm_90", code=code, name="graph_variant.cu")
     assert re.findall(r"\.entry (\w+)\(", ptx) == [pack.GRAPH_ENTRY_POINT]
-    # the shared bytes: room for twice the capacity asked for (a segment of up to twice
-    # it is read whole, in two rounds), the capacity alone past 16 KiB (no second round)
-    room = 2 * cap if cap <= 16384 else cap
+    # the shared bytes: room for the longest segment read whole (pack.graph_max: four
+    # times the copier's capacity, twice 16 KiB, a 32 KiB capacity alone)
+    room = pack.graph_max(cap)
+    assert room == {8192: 32768, 16384: 32768, 32768: 32768}[cap]
     assert re.search(rf"\.shared \.align 16 \.b8 \w+\[{room}\]", ptx), ptx[:2000]
 
 

@@ -37,7 +37,7 @@ typedef struct {
     long long cap_for, cap;   /* the slot size the table reservation is for, and it */
     long long carry_max;      /* the largest carried launch (0: none) */
     long long mapped_max;     /* the largest segment a mapped launch reads (-1: none) */
-    long long graph_cap;      /* the graph kernel's first read; segments up to twice it graph */
+    long long graph_cap;      /* the graph kernel's first read (core.h's graph_reach) */
     int mode;                 /* flush_mode as MODE_* */
     PyObject *mode_str;       /* flush_mode as set (the interned literal) */
     PyObject *seg, *checker, *feed, *feed_pending, *ring, *slot, *tables, *stats;
@@ -363,14 +363,13 @@ static PyObject *copiercore_flush_fast(CopierCore *c, PyObject *unused) {
     int64_t total = end - off, head = HEADER_BYTES + (int64_t)n * DESC_BYTES;
     PyObject *how = NULL;
     long long gcap = c->graph_cap;
-    int64_t reach = graph_reach(gcap, total); /* (pack.graph_reach) */
+    int64_t reach = graph_reach(gcap, total, is_auto); /* (pack.graph_reach) */
     if (mapped_max >= 0 && (mapped_only || (is_auto && total <= mapped_max)) && E->graphed &&
         gcap > 0 && (size_t)gcap <= E->graph_cap && reach > 0 &&
         off + reach <= (int64_t)seg->view.len && off + reach <= seg->top) {
         /* _land's graphed launch (mapped, and auto: half a carried launch's host
          * time): its kernel reads reach bytes at the segment when it runs (gcap, or
-         * all of a segment of up to 2 * gcap), so the slot's next segment starts past
-         * them. The step's first reader of the slot
+         * all of a longer segment), so the slot's next segment starts past them. The step's first reader of the slot
          * is tagged (the slot's completion tag armed with the step, here): when it is
          * also the last, the flush records no event and the next turn asks none */
         long long step = -1;

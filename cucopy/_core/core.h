@@ -38,11 +38,18 @@ _Static_assert(sizeof(Py_ssize_t) == sizeof(int64_t), "shapes are compared as in
 #define TAG_AT (-64)
 
 /* pack.graph_reach: the bytes a graphed kernel of capacity cap reads at a segment of
- * total bytes (cap; a segment of up to 2 * cap bytes read to its end rounded up to 16;
- * 0: one longer still, not launched graphed) */
-static inline int64_t graph_reach(int64_t cap, int64_t total) {
+ * total bytes (cap; a segment of up to graph_max bytes read to its end rounded up to
+ * 16; 0: one longer still, not launched graphed, or with is_auto one of more than
+ * AUTO_GRAPH_ROUNDS * cap, which flush_mode="auto" carries instead) */
+#define GRAPH_ROUNDS 4
+#define AUTO_GRAPH_ROUNDS 2
+static inline int64_t graph_max(int64_t cap) {
+    return cap <= 8192 ? GRAPH_ROUNDS * cap : cap <= 16384 ? 2 * cap : cap;
+}
+static inline int64_t graph_reach(int64_t cap, int64_t total, int is_auto) {
     if (total <= cap) return cap;
-    return total <= 2 * cap ? (total + 15) & ~(int64_t)15 : 0;
+    if (total > graph_max(cap) || (is_auto && total > AUTO_GRAPH_ROUNDS * cap)) return 0;
+    return (total + 15) & ~(int64_t)15;
 }
 
 enum { MISS = 0, STAGED = 1, BARRIER = 2, SKIPPED = 3, FULL = -1, ORDER = -2 };

@@ -380,17 +380,17 @@ class Backend:
         host less than a kernel launch. The graphs are made when the backend sets up (a
         small pool, each re-pointed at a segment address as needed; none is made later,
         as making one may wait for the device). The copier uses it for
-        ``flush_mode="mapped"`` and ``"auto"`` segments of at most twice this many
-        bytes (the kernel reads this many in one round, the rest of a longer segment in
-        a second), and keeps the bytes read (``pack.graph_reach``) readable and unwritten
-        until the launch completes.
+        ``flush_mode="mapped"`` segments of at most ``pack.graph_max`` of this many
+        bytes and ``"auto"`` ones of at most twice it (the kernel reads this many in
+        one round, the rest of a longer segment in a second), and keeps the bytes read
+        (``pack.graph_reach``) readable and unwritten until the launch completes.
         """
         return 0
 
     def scatter_graphed(self, segment_ptr: int, nblocks: int, stream, cell: int = 0) -> bool:
         """Enqueue the scatter of the segment at ``segment_ptr`` (mapped pinned memory) as
         a graphed launch, which reads :meth:`graph_capacity` bytes there when it runs
-        (``pack.graph_reach``: all of a segment of up to twice that).
+        (``pack.graph_reach``: all of a segment of up to ``pack.graph_max`` bytes).
 
         ``nblocks`` is the segment's, for a backend that launches it another way (no
         graph may launch on ``stream``: the backend's graphs are all other streams').

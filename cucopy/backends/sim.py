@@ -942,8 +942,8 @@ class SimBackend(Backend):
 
     def scatter_graphed(self, segment_ptr, nblocks, stream, cell: int = 0) -> bool:
         """A one-node graph's launch: its kernel reads ``graph_capacity`` bytes at the
-        segment when it runs, and the rest of a segment of up to twice that
-        (``pack.graph_reach``; all of them must lie in one allocation), as a mapped
+        segment when it runs, and the rest of a segment of up to ``pack.graph_max``
+        bytes (``pack.graph_reach``; all of them must lie in one allocation), as a mapped
         scatter reads the segment then; with ``cell``, its last act is to copy the tag's
         first word (read when it runs) to its second, as ``cucopy_scatter_w8k`` does."""
         dev = self.device

@@ -904,12 +904,13 @@ cucopy_scatter_feed(const unsigned char* __restrict__ box, unsigned int entries,
 // step's bytes cannot travel in them: the block reads the first CUCOPY_GRAPH_CAP bytes
 // at seg (mapped pinned memory) into shared memory in one round, all its loads in
 // flight at once, then runs every block of the segment from there as the carried
-// kernel does from its parameters. A segment of up to twice that (CUCOPY_GRAPH_MAX) is
-// read whole as well: the rest in a second round, once the header read in the first
-// says the segment goes on. A segment longer still is correct (the rest is read from
-// seg), only slower. pack.GRAPH_CAPACITY; the host keeps the bytes read
-// (pack.graph_reach: all CUCOPY_GRAPH_CAP, or the whole of a longer segment, rounded
-// up to 16) readable, and unwritten until the launch completes.
+// kernel does from its parameters. A segment of up to four times that (CUCOPY_GRAPH_MAX)
+// is read whole as well: the rest in a second round, all its loads in flight at once,
+// once the header read in the first says the segment goes on. A segment longer still is
+// correct (the rest is read from seg), only slower. pack.GRAPH_CAPACITY and
+// pack.GRAPH_ROUNDS; the host keeps the bytes read (pack.graph_reach: all
+// CUCOPY_GRAPH_CAP, or the whole of a longer segment, rounded up to 16) readable, and
+// unwritten until the launch completes.
 // Launch: grid 1 (any grid is correct: block b runs blocks b, b + gridDim.x, ...),
 // block CUCOPY_THREADS.
 //
@@ -936,9 +937,13 @@ cucopy_scatter_feed(const unsigned char* __restrict__ box, unsigned int entries,
 #ifndef CUCOPY_GRAPH_SPREAD
 #define CUCOPY_GRAPH_SPREAD 0
 #endif
-// (a capacity over 16 KiB, which bench/probes/graph_kernel.py can build, has no second
-// round: twice it would pass a block's 48 KiB of static shared memory)
-#define CUCOPY_GRAPH_MAX (CUCOPY_GRAPH_CAP <= 16384u ? 2u * CUCOPY_GRAPH_CAP : CUCOPY_GRAPH_CAP)
+// The most a segment read whole may be: four rounds' worth (pack.GRAPH_ROUNDS), in 32
+// KiB of static shared memory; a capacity over 8 KiB, which bench/probes/graph_kernel.py
+// can build, reads less (a block has 48 KiB of static shared memory)
+#define CUCOPY_GRAPH_MAX                                                                   \
+    (CUCOPY_GRAPH_CAP <= 8192u    ? 4u * CUCOPY_GRAPH_CAP                                   \
+     : CUCOPY_GRAPH_CAP <= 16384u ? 2u * CUCOPY_GRAPH_CAP                                   \
+                                  : CUCOPY_GRAPH_CAP)
 static_assert(CUCOPY_GRAPH_CAP % (16u * CUCOPY_THREADS) == 0u, "whole rounds of 16-byte loads");
 
 // The segment at seg, its first have bytes already in s_bytes (see above: at least
@@ -1027,22 +1032,28 @@ cucopy_scatter_w8k(const unsigned char* __restrict__ seg, cucopy_u64* cell)
     __syncthreads();
     // A segment longer than the first round and at most CUCOPY_GRAPH_MAX bytes (its
     // header, in the first round, says so): the rest, to its end rounded up to 16, in a
-    // second round. Every thread reads the same header, so all take the same branch.
+    // second round, every load of it issued before the first is stored. Every thread
+    // reads the same header, so all take the same branch.
     cucopy_u32 have = CUCOPY_GRAPH_CAP;
     {
+        // (a kernel with no second round has one load a thread here, never taken)
+        constexpr unsigned kMore = CUCOPY_GRAPH_MAX > CUCOPY_GRAPH_CAP
+                                       ? (CUCOPY_GRAPH_MAX - CUCOPY_GRAPH_CAP) / 16u / CUCOPY_THREADS
+                                       : 1u;
         const CucopyHeader& h = *reinterpret_cast<const CucopyHeader*>(s_bytes);
         const cucopy_u64 total = h.total_bytes;
         if (h.magic == CUCOPY_MAGIC && total > CUCOPY_GRAPH_CAP && total <= CUCOPY_GRAPH_MAX) {
             const cucopy_u32 end16 = (cucopy_u32)((total + 15u) / 16u);
+            uint4 m[kMore];
 #pragma unroll
-            for (unsigned i = 0; i < kRounds; ++i) {
+            for (unsigned i = 0; i < kMore; ++i) {
                 const cucopy_u32 k = CUCOPY_GRAPH_CAP / 16u + threadIdx.x + i * CUCOPY_THREADS;
-                if (k < end16) w[i] = __ldg(reinterpret_cast<const uint4*>(seg) + k);
+                if (k < end16) m[i] = __ldg(reinterpret_cast<const uint4*>(seg) + k);
             }
 #pragma unroll
-            for (unsigned i = 0; i < kRounds; ++i) {
+            for (unsigned i = 0; i < kMore; ++i) {
                 const cucopy_u32 k = CUCOPY_GRAPH_CAP / 16u + threadIdx.x + i * CUCOPY_THREADS;
-                if (k < end16) reinterpret_cast<uint4*>(s_bytes)[k] = w[i];
+                if (k < end16) reinterpret_cast<uint4*>(s_bytes)[k] = m[i];
             }
             have = end16 * 16u;
             __syncthreads();
