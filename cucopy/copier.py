@@ -1763,6 +1763,10 @@ class DeviceCopier(_CopierCore):  # type: ignore[misc,valid-type]
                         cut = seg.flush_carried(launcher, self._handle, cmax, pin.device_ptr)
                     else:
                         cut = seg.cut(cmax)
+                elif mode == "mapped" and self._graph_cap:
+                    # its table compacted when the segment then fits a graphed launch's
+                    # read (a table reserved for a longer step leaves a gap)
+                    cut = seg.cut(pack.graph_max(self._graph_cap))
                 else:
                     cut = seg.cut(-1)
             if cut.__class__ is int:

@@ -214,6 +214,7 @@ def _spy_launches(c):
 
     c._backend.scatter = spy
     c._launcher = None  # every launch through scatter(), none from the staging core
+    c._graph_cap = 0  # nor graphed (scatter_graphed)
     return seen
 
 

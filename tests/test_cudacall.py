@@ -1763,6 +1763,41 @@ def test_segments_past_the_graph_capacity_are_graphed_and_read_to_their_end(mode
     c.close()
 
 
+def test_a_mapped_segment_s_table_is_compacted_to_fit_a_graphed_read():
+    # a step of 200 copies leaves 200 descriptors reserved for the next steps' tables; a
+    # mapped segment whose data would then pass pack.graph_max has its table compacted
+    # (the data moved down to it) and goes graphed, its bytes intact (compiled flush and
+    # Python twin alike)
+    from cucopy import copier as copier_mod
+
+    copier_mod.TAGS, saved = True, copier_mod.TAGS  # (the default; CUCOPY_TAG=0: off)
+    try:
+        c, Site, dev, fake, problems = _landing_copier("mapped", events=True, graphs=True)
+    finally:
+        copier_mod.TAGS = saved
+    compiled = copier_mod._CopierCore is not copier_mod.PyCopierCore
+    small = [dev.zeros((4,), np.int32) for _ in range(200)]
+    with c.step():
+        for i, d_ in enumerate(small):
+            c.copy(Site.A, d_, np.full(4, i, np.int32))
+    big = dev.zeros((7900,), np.int32)  # 31.6 KB: past graph_max behind a 9.6 KB table
+    rng = np.random.default_rng(2)
+    for _ in range(2 * c._ring.slots):
+        want = rng.integers(-(1 << 30), 1 << 30, 7900, dtype=np.int32)
+        with c.step():
+            c.copy(Site.A, big, want)
+        assert c._ring.current.tag == c._ring.acquires  # graphed (tagged)
+        dev.synchronize()
+        assert np.array_equal(dev.to_host(big), want)
+    assert [dev.to_host(d_).tolist() for d_ in small] == [[i] * 4 for i in range(200)]
+    assert problems == []
+    n = 1 + 2 * c._ring.slots
+    assert c.stats.modes["mapped"] == n
+    if compiled:
+        assert len(fake.graph_launches) == n and c._fast_flushes == n
+    c.close()
+
+
 @pytest.mark.parametrize("mode", ["auto", "inline", "dma"])
 def test_mapped_and_auto_segments_launch_graphed(mode):
     # auto launches small segments graphed too (half a carried launch's host time),

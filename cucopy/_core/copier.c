@@ -359,10 +359,13 @@ static PyObject *copiercore_flush_fast(CopierCore *c, PyObject *unused) {
     /* from here on as _flush_segment: an error is flush()'s to report (the segment cut) */
     int64_t off, end, nblocks;
     Py_ssize_t n;
-    if (cut_impl(seg, carries ? inline_max : -1, &off, &end, &nblocks, &n) < 0) return NULL;
+    long long gcap = c->graph_cap;
+    /* mapped: the table compacted when the segment then fits a graphed launch's read (a
+     * table reserved for a longer step leaves a gap), as _flush_segment cuts it */
+    long long compact = carries ? inline_max : mapped_only && gcap > 0 ? graph_max(gcap) : -1;
+    if (cut_impl(seg, compact, &off, &end, &nblocks, &n) < 0) return NULL;
     int64_t total = end - off, head = HEADER_BYTES + (int64_t)n * DESC_BYTES;
     PyObject *how = NULL;
-    long long gcap = c->graph_cap;
     int64_t reach = graph_reach(gcap, total, is_auto); /* (pack.graph_reach) */
     if (mapped_max >= 0 && (mapped_only || (is_auto && total <= mapped_max)) && E->graphed &&
         gcap > 0 && (size_t)gcap <= E->graph_cap && reach > 0 &&
