@@ -168,6 +168,7 @@ class Session:
         self.errors: list = []
         self.reference = None
         self.generated = 0  # generate_batch calls, all checked against the first
+        self.flush_mode = None  # the routed copier's, once made
 
     def generate(self) -> tuple[list, float, list]:
         """One ``generate_batch``: tokens per request (input order), wall seconds, errors."""
@@ -229,6 +230,8 @@ class Session:
                 **({} if args.cpu else {"flush_mode": args.flush_mode}),
             )
             copier_s = time.perf_counter() - t0  # the first CUDA copier builds its kernels
+            # (the route's choice unless --flush-mode named one)
+            self.flush_mode = getattr(route.copier, "flush_mode", None)
             variants = self.variants()
             if "twin_plain" in variants:
                 plain = PlainCopier(route.stream, backend=route.copier.backend, record=False)
@@ -389,7 +392,7 @@ class Session:
                     "use_async_batching": cfg.use_async_batching,
                     "use_cuda_graph": cfg.use_cuda_graph,
                 },
-                "flush_mode": None if self.args.cpu else self.args.flush_mode,
+                "flush_mode": self.flush_mode,
                 "in_place_min_bytes": self.args.in_place_min_bytes,
                 "torch_threads": torch.get_num_threads(),
             },
@@ -524,7 +527,12 @@ def main(argv=None) -> int:
     p.add_argument("--block-size", type=int, default=32)
     p.add_argument("--num-blocks", type=int, default=100)
     p.add_argument("--max-batch-tokens", type=int, default=64)
-    p.add_argument("--flush-mode", default="auto", choices=("auto", "dma", "mapped", "inline"))
+    p.add_argument(
+        "--flush-mode",
+        default=None,
+        choices=("auto", "dma", "mapped", "inline"),
+        help="the routed copier's flush_mode (default: the route's, mapped async, auto sync)",
+    )
     p.add_argument(
         "--in-place-min-bytes",
         "--raw-min-bytes",  # its name before the in-place copies

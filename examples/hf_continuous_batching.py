@@ -60,6 +60,7 @@ from types import SimpleNamespace
 if __package__ in (None, ""):  # run as a script: make ``cucopy`` and ``bench`` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import cucopy as cc  # noqa: E402
@@ -203,8 +204,10 @@ def _write_all(guards):
 class _Buffers:
     """A host ``ContinuousBatchingIOs`` and the device one it uploads into, as views made once.
 
-    Host sides are NumPy views (cucopy's fastest source); device views made per step are
-    cached by their length (torch slicing costs ~1-2 us a view; decode steps repeat them).
+    Host sides are NumPy views (cucopy's fastest source). The regions a step copies are
+    cached as (device view, host view) pairs by their lengths: torch slicing costs ~1-2 us
+    a view and NumPy's a few hundred ns, several times that when the engine's own work
+    has left the host's caches cold; decode steps repeat the same lengths.
 
     Each host buffer with a region that can reach ``min_bytes`` gets a ``cc.HostGuard``
     (made once, when ``is_pinned`` says it is pinned): such a region is copied in place
@@ -281,20 +284,36 @@ class _Buffers:
         """``tensor[:n]`` (``name`` tells the tensors apart)."""
         return self._cached((name, n), tensor.__getitem__, slice(0, n))
 
-    def block(self, name, tensor, rows: int, cols: int):
-        """``tensor[:rows, :cols]`` (``name`` tells the tensors apart)."""
-        key = (name, rows, cols)
-        return self._cached(key, tensor.__getitem__, (slice(0, rows), slice(0, cols)))
-
     def bulk(self, n: int):
-        """The device bulk tensor's first ``n`` columns, every row."""
-        return self._cached(("bulk", n), self.d_bulk.__getitem__, (slice(None), slice(0, n)))
+        """The bulk block's first ``n`` columns, every row: ``(device, host)``."""
+        return self._cached(("bulk", n), self._pair, self.d_bulk, self.h_bulk, np.s_[:, :n])
 
     def carry_tail(self, start: int):
-        """The device carry-over row from ``start`` on."""
+        """The carry-over row from ``start`` on: ``(device, host)``."""
+        at = np.s_[6, start : self.tokens]
+        return self._cached(("carry", start), self._pair, self.d_bulk, self.h_bulk, at)
+
+    def table(self, g: int, b: int):
+        """Layer group ``g``'s block table, its first ``b`` rows: ``(device, host)``."""
         return self._cached(
-            ("carry", start), self.d_bulk.__getitem__, (6, slice(start, self.tokens))
+            ("table", g, b), self._pair, self.d_table[g], self.h_table[g], np.s_[:b]
         )
+
+    def index(self, name: str, cols: int):
+        """The write (``"w"``) or read (``"r"``) index, every group's first ``cols``:
+        ``(device, host)``."""
+        d, h = (self.d_write, self.h_write) if name == "w" else (self.d_read, self.h_read)
+        return self._cached((name, cols), self._pair, d, h, np.s_[:, :cols])
+
+    def mask(self, i: int, rows: int, cols: int):
+        """Mask ``i``'s ``[:rows, :cols]``: ``(device, host, guard)``."""
+        key = ("mask", i, rows, cols)
+        h, d, g = self.masks[i]
+        return self._cached(key, lambda: (*self._pair(d, h, np.s_[:rows, :cols]), g))
+
+    @staticmethod
+    def _pair(dev, host, at) -> tuple:
+        return dev[at], host[at]
 
 
 # -- the seam ----------------------------------------------------------------------------------
@@ -402,10 +421,19 @@ class CucopyRoute:
         Regions this large or larger are read in place through a ``cc.HostGuard`` (below).
     **copier_options
         Passed to ``cc.DeviceCopier`` (``flush_mode``, ``capacity``, ``slots``).
+        ``flush_mode`` defaults to ``"mapped"`` in async mode and ``"auto"`` in sync
+        mode (see Notes).
 
     Notes
     -----
     Every upload goes through the copier: there are no side copies.
+
+    The flush. In async mode the copier's stream is the engine's H2D stream, whose work
+    runs while the previous batch computes: what the upload costs is host time, and
+    ``flush_mode="mapped"`` spends the least of it (a step's segment, ~29 KB in a decode
+    step here, goes in one graphed launch, about half a carried launch's host time,
+    for a little more GPU time that the overlap hides). In sync mode the GPU waits for
+    the upload, and ``"auto"`` carries such a segment in the launch instead.
 
     In-place copies. A region of ``in_place_min_bytes`` or more of a pinned host buffer
     (the attention mask's ``[:q, :q + kv]``, ~1 MB in prefill; the bulk block
@@ -449,6 +477,8 @@ class CucopyRoute:
                 raise ValueError(
                     "CucopyRoute: the engine runs on the CPU; pass copier=PlainCopier()"
                 )
+            if copier_options.get("flush_mode") is None:
+                copier_options["flush_mode"] = "mapped" if self.is_async else "auto"
             copier = cc.DeviceCopier(
                 PLAN, stream=self.stream, device=self.stream.device.index, **copier_options
             )
@@ -601,28 +631,23 @@ class CucopyRoute:
         n = q + h.max_kv_read  # the read index's and the mask's columns
         b = min(q, h.max_requests_per_batch)
         put = self._put
-        put(Site.BULK, bufs.bulk(q + 1), bufs.h_bulk[:, : q + 1], bufs.g_bulk)
+        put(Site.BULK, *bufs.bulk(q + 1), bufs.g_bulk)
         if carry_over and q + 1 < bufs.tokens:
-            src = bufs.h_bulk[6, q + 1 : bufs.tokens]
-            put(Site.CARRY_OVER, bufs.carry_tail(q + 1), src, bufs.g_bulk)
+            put(Site.CARRY_OVER, *bufs.carry_tail(q + 1), bufs.g_bulk)
         if reset_outputs:
             for r, row in enumerate(bufs.d_out):
                 self.copier.fill_tail(Site.OUTPUT_RESET, bufs.head(("out", r), row, b), 0, 0)
         if h.use_block_table:
-            for g, table in enumerate(bufs.d_table):
-                dst = bufs.head(("table", g), table, b)
-                put(Site.BLOCK_TABLE, dst, bufs.h_table[g, :b], bufs.g_table)
+            for g in range(len(bufs.d_table)):
+                put(Site.BLOCK_TABLE, *bufs.table(g, b), bufs.g_table)
         else:
-            groups = len(bufs.h_write)
             if q:
-                dst = bufs.block("w", bufs.d_write, groups, q)
-                put(Site.WRITE_INDEX, dst, bufs.h_write[:, :q], bufs.g_write)
+                put(Site.WRITE_INDEX, *bufs.index("w", q), bufs.g_write)
             if n:
-                dst = bufs.block("r", bufs.d_read, groups, n)
-                put(Site.READ_INDEX, dst, bufs.h_read[:, :n], bufs.g_read)
+                put(Site.READ_INDEX, *bufs.index("r", n), bufs.g_read)
         if q and bufs.masks:
-            for i, (h_mask, d_mask, guard) in enumerate(bufs.masks):
-                put(Site.MASK, bufs.block(("mask", i), d_mask, q, n), h_mask[:q, :n], guard)
+            for i in range(len(bufs.masks)):
+                put(Site.MASK, *bufs.mask(i, q, n))
 
     def _put(self, site, dst, src, guard) -> None:
         """Copy host region ``src`` to ``dst``: in place through ``guard`` when it is at

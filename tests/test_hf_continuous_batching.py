@@ -397,6 +397,29 @@ def async_steps(
     return out
 
 
+@pytest.mark.parametrize("given, want", [(None, "mapped"), ("auto", "auto"), ("dma", "dma")])
+def test_an_async_route_makes_a_mapped_copier_unless_told_otherwise(
+    ex, engine, monkeypatch, given, want
+):
+    # async: the upload overlaps compute, so the route's own copier spares the host
+    # (graphed launches); a flush_mode passed in is the one used
+    made = []
+
+    class Made:
+        def __init__(self, plan, **kw):
+            made.append((plan, kw))
+            self.backend = SimpleNamespace(is_pinned=lambda ptr: False)
+
+    monkeypatch.setattr(ex.cc, "DeviceCopier", Made)
+    io = async_ios(engine)
+    io.h2d_stream.device = SimpleNamespace(index=0)
+    opts = {} if given is None else {"flush_mode": given}
+    route = ex.CucopyRoute(SimpleNamespace(inputs_and_outputs=io), **opts)
+    assert isinstance(route.copier, Made)
+    [(plan, kw)] = made
+    assert plan is ex.PLAN and kw["stream"] is io.h2d_stream and kw["flush_mode"] == want
+
+
 def async_step(engine, io, num, query, past, status, fast_path) -> list:
     """One async step (prepare, then the engine's get_model_kwargs, which uploads)."""
     from transformers.generation.continuous_batching.utils import (
