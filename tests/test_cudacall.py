@@ -1431,6 +1431,7 @@ def _landing_copier(
     eager_site: bool = False,
     events: bool = False,
     graphs: bool = False,
+    tags: bool | None = None,
 ):
     """A sim copier given a fake launcher that lands what it is handed.
 
@@ -1442,9 +1443,11 @@ def _landing_copier(
     ``(copier, site class, device, fake driver, problems)``. With ``graphs`` the sim
     offers graphed launches (``SimDevice.graph_capacity``) and the fake driver makes
     and launches graphs, each launch landing its segment as the sim's mapped scatter
-    does (read when the stream runs it).
+    does (read when the stream runs it). ``tags``: completion tags on or off for this
+    copier (``copier.TAGS`` while it is made; None: as imported).
     """
     import cucopy as cc
+    from cucopy import copier as copier_mod
 
     members = [(name, cc.H2D) for name in plan_sites] + ([("E", cc.H2D)] if eager_site else [])
     members += [("P", cc.H2D)]  # a site outside the plan (eager)
@@ -1452,13 +1455,18 @@ def _landing_copier(
     dev = SimDevice(policy="lazy")
     if graphs:
         dev.graph_capacity = pack.GRAPH_CAPACITY
-    c = cc.DeviceCopier(
-        cc.CopyPlan(merge={getattr(site, n) for n in plan_sites}),
-        stream=dev.default_stream,
-        device=dev,
-        backend="sim",
-        flush_mode=mode,
-    )
+    saved = copier_mod.TAGS
+    copier_mod.TAGS = saved if tags is None else tags
+    try:
+        c = cc.DeviceCopier(
+            cc.CopyPlan(merge={getattr(site, n) for n in plan_sites}),
+            stream=dev.default_stream,
+            device=dev,
+            backend="sim",
+            flush_mode=mode,
+        )
+    finally:
+        copier_mod.TAGS = saved
     fake, problems = _attach_landing(c, dev, events=events, graphs=graphs)
     return c, site, dev, fake, problems
 
@@ -1630,11 +1638,8 @@ def test_small_mapped_segments_launch_graphed_with_their_events():
     # bytes at the segment, so a later segment of the step starts past them
     from cucopy import copier as copier_mod
 
-    copier_mod.TAGS, saved = True, copier_mod.TAGS  # (the default; CUCOPY_TAG=0: off)
-    try:
-        c, Site, dev, fake, problems = _landing_copier("mapped", events=True, graphs=True)
-    finally:
-        copier_mod.TAGS = saved
+    # (tags: the default; CUCOPY_TAG=0 turns them off)
+    c, Site, dev, fake, problems = _landing_copier("mapped", events=True, graphs=True, tags=True)
     compiled = copier_mod._CopierCore is not copier_mod.PyCopierCore
     rng = np.random.default_rng(5)
     dsts = [dev.zeros((k,), np.int32) for k in (3, 100, 600, 1)]  # 2.8 KB a step
@@ -1770,11 +1775,8 @@ def test_a_mapped_segment_s_table_is_compacted_to_fit_a_graphed_read():
     # Python twin alike)
     from cucopy import copier as copier_mod
 
-    copier_mod.TAGS, saved = True, copier_mod.TAGS  # (the default; CUCOPY_TAG=0: off)
-    try:
-        c, Site, dev, fake, problems = _landing_copier("mapped", events=True, graphs=True)
-    finally:
-        copier_mod.TAGS = saved
+    # (tags: the default; CUCOPY_TAG=0 turns them off)
+    c, Site, dev, fake, problems = _landing_copier("mapped", events=True, graphs=True, tags=True)
     compiled = copier_mod._CopierCore is not copier_mod.PyCopierCore
     small = [dev.zeros((4,), np.int32) for _ in range(200)]
     with c.step():
@@ -1858,11 +1860,7 @@ def test_a_stream_with_no_graph_left_lands_by_a_carried_launch_in_the_compiled_f
     # launches it graphed: the bytes land either way.
     from cucopy import copier as copier_mod
 
-    copier_mod.TAGS, saved = tags, copier_mod.TAGS
-    try:
-        c, Site, dev, fake, problems = _landing_copier(mode, events=True, graphs=True)
-    finally:
-        copier_mod.TAGS = saved
+    c, Site, dev, fake, problems = _landing_copier(mode, events=True, graphs=True, tags=tags)
     assert c._tags == tags
     c._mapped_max = 1 << 20  # (auto: small segments would go graphed)
     compiled = copier_mod._CopierCore is not copier_mod.PyCopierCore

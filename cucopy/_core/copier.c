@@ -372,9 +372,10 @@ static PyObject *copiercore_flush_fast(CopierCore *c, PyObject *unused) {
         off + reach <= (int64_t)seg->view.len && off + reach <= seg->top) {
         /* _land's graphed launch (mapped, and auto: half a carried launch's host
          * time): its kernel reads reach bytes at the segment when it runs (gcap, or
-         * all of a longer segment), so the slot's next segment starts past them. The step's first reader of the slot
-         * is tagged (the slot's completion tag armed with the step, here): when it is
-         * also the last, the flush records no event and the next turn asks none */
+         * all of a longer segment), so the slot's next segment starts past them. The
+         * step's first reader of the slot is tagged (the slot's completion tag armed
+         * with the step, here): when it is also the last, the flush records no event
+         * and the next turn asks none */
         long long step = -1;
         int tag = c->tags && E->graphed_tag && slot->dirty == Py_False && slot->tag < 0 &&
                   slot->tag_host && int_field(ring->acquires, &step) && step >= 0;
